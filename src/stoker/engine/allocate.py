@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import ctypes
 import math
-import sys
 
 import numpy as np
 import torch
 
 from ..errors import OutOfMemory
+from ..runtime.libc import linux_function
 
 # What torch's allocators say when the memory is not there (CPU, pinned and CUDA); anything else is a bug
 # to report as it is.
@@ -88,19 +88,7 @@ MIN_BYTES = 8 << 20
 _MADV_HUGEPAGE = 14  # linux/mman.h
 
 
-def _madvise():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_MADVISE = _madvise()
+_MADVISE = linux_function("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])
 
 
 def advise_huge_pages(tensor: torch.Tensor) -> bool:

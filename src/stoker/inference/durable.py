@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import sys
 import threading
 import time
 import weakref
@@ -51,6 +50,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from ..errors import StorageError
+from ..runtime.libc import linux_function
 from ..runtime.waits import wait_until
 from ..runtime.workers import DaemonPool
 from ..storage.fsutil import fsync_path as _fsync
@@ -67,19 +67,7 @@ OPEN_FILES = 64
 _SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writing the range's dirty pages, do not wait for them
 
 
-def _sync_file_range():  # noqa: ANN202 (a ctypes function, or None)
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_SYNC_FILE_RANGE = _sync_file_range()
+_SYNC_FILE_RANGE = linux_function("sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint])
 
 
 def start_writeback(fd: int) -> None:
