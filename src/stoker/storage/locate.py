@@ -219,10 +219,10 @@ class Stores:
         wrapped in a :class:`~stoker.storage.prefetch.PrefetchStore`; None: no prefetch). ``read_files``: how the
         disk cache reads its hits (the compiled engine's ``read_files``, which a pipeline passes; None: in
         Python, an entry at a time)."""
-        import asyncio
-
-        # used only on the stores' one event loop thread (a semaphore binds to a loop when first waited on)
-        self._gate = asyncio.Semaphore(requests_in_flight) if requests_in_flight else None
+        # the semaphore that caps the object stores' requests together: made with the first of them (see
+        # _remote_gate); used only on the stores' one event loop thread (it binds to a loop when first waited on)
+        self._requests = requests_in_flight
+        self._gate: Any = None
         self._stores: OrderedDict[tuple, tuple[Store, Any]] = OrderedDict()
         self._lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
         self._closed = False
@@ -322,6 +322,26 @@ class Stores:
                     if self._building.get(ident) is mine:  # (if cut short: a settled build, replaced by the next)
                         del self._building[ident]
 
+    def _remote_gate(self) -> Any:
+        """The semaphore of ``requests_in_flight`` (None without one), made with the first object store: as
+        many requests as the process's open-file limit holds (:func:`~stoker.runtime.openfiles.requests_that_fit`,
+        which raises the soft limit where it can), and the prefetch buffer's share of them within three
+        quarters of those. A pipeline of local arrays never touches the limit."""
+        if not self._requests:
+            return None
+        if self._gate is None:
+            import asyncio
+
+            from ..runtime.openfiles import requests_that_fit
+
+            fit = requests_that_fit(self._requests)  # outside the lock, a leaf: it takes its own
+            with self._lock:
+                if self._gate is None:
+                    if self._prefetch is not None:
+                        self._prefetch.max_requests = min(self._prefetch.max_requests, max(1, fit * 3 // 4))
+                    self._gate = asyncio.Semaphore(fit)
+        return self._gate
+
     def _make(self, loc: Location, ident: tuple, options: dict, settings: dict, cache: Any) -> tuple[Store, Any]:
         """The store of ``ident`` built and kept, unless another thread kept one first (then that one)."""
         from .hierarchy import Hierarchy
@@ -334,7 +354,7 @@ class Stores:
         else:
             from .objectstore import ObjectStore
 
-            store = ObjectStore(loc.root, options, gate=self._gate, **settings)
+            store = ObjectStore(loc.root, options, gate=self._remote_gate(), **settings)
             if cache is not None and cache.enabled:
                 from .cachingstore import CachingStore
                 from .diskcache import disk_cache
