@@ -493,7 +493,7 @@ def test_the_default_requests_in_flight_do_not_cap_a_distant_store(tmp_path):
         server.latency_s = 0.6  # batches queued ahead asked together
         server.hold_until_in_flight(65, timeout_s=8.0, under="/w/c/")
         cfg = _config({server.url + "/": FAST}, batch_size=16)
-        assert (cfg.requests_in_flight, cfg.prefetch_requests) == (256, 192)
+        assert (cfg.requests_in_flight, cfg.prefetch_requests) == (512, 384)
         boxes = [[(8 * (n % 2), 8 * (n % 2) + 8), (8 * (n // 2), 8 * (n // 2) + 8)] for n in range(320)]
         with stoker.Pipeline(cfg) as p:
             p.push([stoker.Sample(f"{server.url}/w", box) for box in boxes])
@@ -502,7 +502,7 @@ def test_the_default_requests_in_flight_do_not_cap_a_distant_store(tmp_path):
                 for row, box in zip(got, boxes[16 * k:16 * k + 16]):
                     assert np.array_equal(row, _crop(want, box))
             counters = _counters(p)
-            assert counters.peak_requests <= 192
+            assert counters.peak_requests <= 384
         assert 64 < server.peak_in_flight <= 256, (server.peak_in_flight, counters)
     finally:
         server.latency_s = 0
