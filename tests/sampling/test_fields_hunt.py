@@ -1,0 +1,48 @@
+"""Samples of named fields where data could go silently wrong: cases found by a bug hunt, each held to an
+independent oracle (xarray's decoding, zarr-python reads, numpy).
+
+Tiny arrays only: these run in a few seconds together."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import zarr
+
+import stoker
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _anchors(src) -> set[tuple[int, ...]]:
+    mv = src.volumes[0]
+    return {mv.volume.anchor(np.unravel_index(int(i), mv.volume.counts)) for i in mv.qualifying}
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_an_unsigned_masks_missing_values_are_no_foreground(tmp_path, zarr_format):
+    """A netCDF-style mask of unsigned bytes stored as int8 (``_Unsigned="true"``) marks "no data" with
+    ``_FillValue=-1`` (255 read unsigned) and ``missing_value=200`` (stored -56): xarray reads both as NaN,
+    no foreground. The mask counted them as foreground (its _Unsigned coding was dropped whole)."""
+    xr = pytest.importorskip("xarray")
+    stored = np.array([[-1, 0, 1, -56, 7], [2, -1, 0, 3, -1], [-56, 5, -1, 0, 1]], dtype="i1")
+    g = zarr.open_group(str(tmp_path / "m.zarr"), mode="w", zarr_format=zarr_format)
+    attrs = {"_Unsigned": "true", "_FillValue": -1, "missing_value": 200}
+    if zarr_format == 2:
+        g.create_array("m", shape=stored.shape, chunks=(2, 3), dtype="i1", fill_value=None,
+                       attributes={**attrs, "_ARRAY_DIMENSIONS": ["y", "x"]})[:] = stored
+    else:
+        g.create_array("m", shape=stored.shape, chunks=(2, 3), dtype="i1", fill_value=0, attributes=attrs,
+                       dimension_names=["y", "x"])[:] = stored
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # xarray's about a missing_value other than the _FillValue
+        read = xr.open_zarr(str(tmp_path / "m.zarr"), consolidated=False)["m"].values
+    foreground = {tuple(int(i) for i in ix) for ix in np.argwhere((read != 0) & ~np.isnan(read))}
+    assert len(foreground) == 6 and np.isnan(read).sum() == 6
+    zarr.create_array(str(tmp_path / "raw.zarr"), shape=stored.shape, chunks=stored.shape, dtype="u1")
+    src = stoker.RandomCrops({"labels": stoker.Field(str(tmp_path / "raw.zarr"), (1, 1))}, seed=0,
+                             samples_per_epoch=8,
+                             mask=stoker.Mask(str(tmp_path / "m.zarr" / "m"), 1.0, field="labels", scale=1))
+    assert _anchors(src) == foreground
