@@ -46,3 +46,19 @@ def test_an_unsigned_masks_missing_values_are_no_foreground(tmp_path, zarr_forma
                              samples_per_epoch=8,
                              mask=stoker.Mask(str(tmp_path / "m.zarr" / "m"), 1.0, field="labels", scale=1))
     assert _anchors(src) == foreground
+
+
+def test_a_field_longer_than_its_arrays_leaves_no_anchor_without_pad(tmp_path):
+    """Without pad, a field whose box is longer than its arrays on some axis fits at no anchor: the sampler says
+    so when made. It drew anchors whose box covered the short axis (the rule of a padded crop), and the
+    pipeline failed later with OutOfBounds; with pad such anchors are what is asked for."""
+    zarr.create_array(str(tmp_path / "big.zarr"), shape=(20, 20), chunks=(5, 5), dtype="u1")
+    zarr.create_array(str(tmp_path / "short.zarr"), shape=(4, 20), chunks=(5, 5), dtype="u1")
+    fields = {"raw": stoker.Field(str(tmp_path / "big.zarr"), (8, 8)),
+              "labels": stoker.Field(str(tmp_path / "short.zarr"), (6, 6), offset=(1, 1))}
+    with pytest.raises(stoker.InvalidArgument, match="no anchor on axis 0.*field 'labels'"):
+        stoker.RandomCrops(fields, seed=0)
+    with pytest.raises(stoker.InvalidArgument, match="no anchor on axis 0"):
+        stoker.RandomCrops({"labels": fields["labels"]}, seed=0)
+    padded = stoker.RandomCrops({"labels": fields["labels"], "raw": fields["raw"]}, seed=0, pad="zero")
+    assert all(s["labels"].aabb[0][0] <= 0 and s["labels"].aabb[0][1] >= 4 for s in padded)
