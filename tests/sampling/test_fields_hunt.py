@@ -9,6 +9,7 @@ import warnings
 
 import numpy as np
 import pytest
+import torch
 import zarr
 
 import stoker
@@ -62,3 +63,24 @@ def test_a_field_longer_than_its_arrays_leaves_no_anchor_without_pad(tmp_path):
         stoker.RandomCrops({"labels": fields["labels"]}, seed=0)
     padded = stoker.RandomCrops({"labels": fields["labels"], "raw": fields["raw"]}, seed=0, pad="zero")
     assert all(s["labels"].aabb[0][0] <= 0 and s["labels"].aabb[0][1] >= 4 for s in padded)
+
+
+@pytest.mark.parametrize("pad", ["zero", "fill", "edge", "reflect"])
+def test_padding_an_empty_axis_is_a_constant_or_an_error_never_zeros(tmp_path, pad):
+    """An axis of length 0 has no voxel to repeat or mirror: numpy.pad refuses "edge" and "reflect" there, and
+    so must a sample (it delivered zeros, as if the array held them); the constants pad it as numpy does."""
+    uri = str(tmp_path / "empty.zarr")
+    zarr.create_array(uri, shape=(0, 4), chunks=(2, 2), dtype="u2", fill_value=9)
+    raw = str(tmp_path / "raw.zarr")
+    zarr.create_array(raw, shape=(4, 4), chunks=(2, 2), dtype="u2")[:] = 1
+    sample = stoker.Sample({"raw": (raw, [(0, 2), (0, 4)]), "x": (uri, [(-1, 1), (0, 4)])}, pad=pad)
+    with stoker.Pipeline(stoker.Config(batch_size=1, dtype="native", device="cpu", pop_timeout_s=20)) as p:
+        p.push([sample])
+        if pad in ("edge", "reflect"):
+            with pytest.raises(stoker.OutOfBounds, match=r"empty\.zarr.*axis 0.*length 0"):
+                p.pop()
+            return
+        with p.pop() as batch:
+            got = torch.from_dlpack(batch["x"])[0].numpy()
+    want = np.pad(np.zeros((0, 4), "u2"), [(1, 1), (0, 0)], constant_values=9 if pad == "fill" else 0)
+    np.testing.assert_array_equal(got, want)
