@@ -114,6 +114,12 @@ def dimension_names(reader: ArrayReader, stores: Stores | None = None,
     return _documents_of(reader, stores, options)[2]
 
 
+def stored_fill(reader: ArrayReader, stores: Stores | None = None, options: dict | None = None) -> Any:
+    """A v2 array's ``.zarray`` ``fill_value`` as stored (JSON), where xarray takes it for the ``_FillValue``
+    (the array names its dimensions); else None."""
+    return _documents_of(reader, stores, options)[1]
+
+
 def coding(reader: ArrayReader, stores: Stores | None = None, options: dict | None = None) -> CFCoding | None:
     """What CF decoding does to the array's values (:func:`stoker.zarr.cf.coding_of`), or None."""
     with _lock:

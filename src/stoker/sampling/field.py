@@ -155,13 +155,16 @@ class Volume:
         steps = [self.scales[n] for n in self.names] + ([tuple(align)] if align is not None else [])
         self.step = tuple(math.lcm(*(s[d] for s in steps)) for d in range(ndim))
         # anchor a is valid iff 0 <= (a + o) / s and (a + o) / s + shape <= array shape, for every field
-        # (with pad, of the first field only; an axis shorter than its box: the anchors whose box covers it)
+        # (with pad, of the first field only; an axis shorter than its box: the anchors whose box covers it;
+        # without pad such an axis has no anchor: its high end lies below its low one)
         bounding = self.names[:1] if pad is not None else self.names
         lows, highs = {}, {}
         for n in bounding:
             f = self.fields[n]
             ends = [(-o, s * (a - c) - o) for o, s, a, c in zip(f.offset, self.scales[n], self.shapes[n], f.shape)]
-            lows[n], highs[n] = tuple(min(e) for e in ends), tuple(max(e) for e in ends)
+            if pad is not None:
+                ends = [(min(e), max(e)) for e in ends]
+            lows[n], highs[n] = tuple(e[0] for e in ends), tuple(e[1] for e in ends)
         self.first, self.counts = [], []
         for d in range(ndim):
             lo = max(lows[n][d] for n in bounding)

@@ -163,13 +163,28 @@ def _missing_values(reader: "ArrayReader") -> np.ndarray | None:
     try:
         code = coding(reader)
     except UnsupportedFormat:  # _Unsigned: the other signedness, which changes no value's being nonzero
-        return None
+        return _unsigned_missing(reader)  # but its fills still mark values missing
     if code is None or not code.fills:
         return None
     with np.errstate(invalid="ignore", over="ignore"):
         fills = np.asarray(code.fills, dtype=np.float64)
         kept = fills[np.isfinite(fills)] if reader.dtype.kind in "iub" else fills
         return kept.astype(reader.dtype) if kept.size else None  # compared as the CF decode compares them
+
+
+def _unsigned_missing(reader: "ArrayReader") -> np.ndarray | None:
+    """:func:`_missing_values` of a mask whose ``_Unsigned`` attribute reads its integers in the other signedness:
+    xarray masks the values with a fill's bits (``_FillValue: -1`` of int8 read as uint8: 255), so each fill,
+    given in either signedness, is taken modulo 2**bits into the mask's dtype."""
+    from ..reader.coords import attributes, stored_fill
+    from ..zarr.cf import coding_of
+
+    attrs = {k: v for k, v in attributes(reader).items() if k != "_Unsigned"}
+    code = coding_of(attrs, np.dtype(np.float64), reader.zarr_format, stored_fill(reader), reader.uri)
+    bits = 8 * reader.dtype.itemsize
+    kept = [int(f) % (1 << bits) for f in (code.fills if code is not None else ())
+            if f.is_integer() and -(1 << (bits - 1)) <= f < (1 << bits)]
+    return np.array(kept, dtype=np.uint64).astype(reader.dtype) if kept else None  # wraps: the same bits
 
 
 def _foreground(values: np.ndarray, missing: np.ndarray | None = None) -> np.ndarray:

@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from ...errors import OutOfBounds
 from ..cast import check_fill, fill_value_as
 
 #: index operations move elements as integers of their width (torch has no index kernels for uint16-64)
@@ -84,9 +85,11 @@ def needs_padding(box: Sequence[tuple[int, int]], shape: Sequence[int]) -> bool:
     return any(a < 0 or b > n for (a, b), n in zip(box, shape))
 
 
-def pad_crop(row: int, source: int, box: Sequence[tuple[int, int]], shape: Sequence[int], mode: str) -> PadCrop:
-    """What the planner reads for a crop ``box`` of an array of ``shape`` padded by ``mode``, where it lands, and
-    the fixes after it (see the module docstring)."""
+def pad_crop(row: int, source: int, box: Sequence[tuple[int, int]], shape: Sequence[int], mode: str,
+             uri: str = "") -> PadCrop:
+    """What the planner reads for a crop ``box`` of an array of ``shape`` (at ``uri``) padded by ``mode``, where
+    it lands, and the fixes after it (see the module docstring). OutOfBounds for ``"edge"`` or ``"reflect"``
+    across an axis of length 0, which has no voxel to repeat (numpy.pad refuses it too)."""
     read, offset, fixes = [], [], []
     for axis, ((start, stop), n) in enumerate(zip(box, shape)):
         extent = stop - start
@@ -94,6 +97,10 @@ def pad_crop(row: int, source: int, box: Sequence[tuple[int, int]], shape: Seque
             read.append((start, stop))
             offset.append(0)
             continue
+        if n == 0 and mode in ("edge", "reflect"):
+            raise OutOfBounds(f"{uri}: box {tuple(box)} is padded with {mode!r} on axis {axis}, which has length 0 "
+                              f"(shape {tuple(shape)}): there is no voxel to pad with; use pad='zero' or 'fill', or "
+                              "leave the array out", uri=uri, box=tuple(box), axis=axis)
         m = axis_map(start, stop, n, mode)
         inside = m >= 0
         k = np.arange(extent, dtype=np.int64)

@@ -606,7 +606,7 @@ def _grid_padded(samples: Sequence[Sample], crops: list, sids: list[int], source
             stops.append([b for _, b in aabb])
             offsets.append([0] * ndim)
             continue
-        pc = pad_crop(k, sid, aabb, array_shape, mode)
+        pc = pad_crop(k, sid, aabb, array_shape, mode, uri)
         pads.append(pc)
         starts.append([a for a, _ in pc.read])
         stops.append([a if pc.empty else b for a, b in pc.read])  # an empty crop reads nothing
