@@ -282,6 +282,22 @@ def test_tile_grid_over_fields_covers_the_anchor_range(volume):
     assert sorted(map(repr, _epoch(shuffled))) == sorted(map(repr, tiles)) and _epoch(shuffled) != tiles
 
 
+def test_tile_grid_over_fields_refuses_a_default_stride_that_leaves_gaps(tmp_path):
+    # A first field one voxel long beside a context at scale 2: its anchors lie every 2 voxels, so tiles at
+    # the default stride (the step) would read voxels 0, 2, 4... and never 1, 3, 5: refused, naming the fix.
+    # A box of 4 tiles every 4 voxels, every voxel covered.
+    for name, n in (("raw", 8), ("ctx", 4)):
+        zarr.create_array(str(tmp_path / name), shape=(n,), chunks=(4,), dtype="uint8", fill_value=0)[...] = 1
+    ctx = stoker.Field(str(tmp_path / "ctx"), (2,), scale=2)
+    with pytest.raises(stoker.InvalidArgument, match="less than the step"):
+        stoker.TileGrid({"raw": stoker.Field(str(tmp_path / "raw"), (1,)), "ctx": ctx})
+    grid = stoker.TileGrid({"raw": stoker.Field(str(tmp_path / "raw"), (4,)), "ctx": ctx})
+    covered = np.zeros(8, dtype=bool)
+    for s in _epoch(grid):
+        covered[slice(*s["raw"].aabb[0])] = True
+    assert covered.all() and grid.stride == (4,)
+
+
 # -- the mask sampler --------------------------------------------------------------------------------------
 
 

@@ -507,8 +507,11 @@ class TileGrid(SampleSource):
     **Fields.** A dict of :class:`~stoker.Field` (or a list of them, one per volume) tiles the anchors: along
     each axis, every ``stride`` reference voxels from the first anchor that keeps every field's box inside
     its arrays, the last one shifted back to the last such anchor. ``stride`` (reference voxels, a multiple
-    of the fields' scales) defaults to the first field's extent (its shape times its scale), so its boxes
-    tile its arrays; samples are ``Sample({name: (uris, box)})``. With ``pad`` the first field's tiles are laid
+    of the fields' scales) defaults to the first field's extent (its shape times its scale) rounded down to
+    that step, so its boxes tile the anchor range (refused where the extent is shorter than one step: tiles
+    would leave gaps); samples are ``Sample({name: (uris, box)})``. Voxels past the first and last anchors'
+    boxes (where a context field, kept inside its arrays, stops the anchors short of the border) are tiled
+    only with ``pad``. With ``pad`` the first field's tiles are laid
     out as a padded grid over arrays (their centres tile its arrays, the first box at minus the margin
     ``(shape - stride / scale) // 2``); the anchors, and the other fields, follow them.
 
@@ -586,8 +589,15 @@ class TileGrid(SampleSource):
         ndim = len(first.counts)
         if stride is None:  # the first field's extent in reference voxels, on the anchors' lattice
             name = first.names[0]
-            stride = [max(st, c * s // st * st) for st, c, s in
-                      zip(first.step, first.fields[name].shape, first.scales[name])]
+            extent = [c * s for c, s in zip(first.fields[name].shape, first.scales[name])]
+            stride = [max(st, e // st * st) for st, e in zip(first.step, extent)]
+            if any(st > e for st, e in zip(stride, extent)):  # no stride on the lattice tiles without gaps
+                raise InvalidArgument(
+                    f"TileGrid: field {name!r}'s box {first.fields[name].shape} spans {tuple(extent)} reference "
+                    f"voxels, less than the step {first.step} its anchors lie on (the least common multiple of the "
+                    "fields' scales) on some axis, so tiles every step would leave voxels between them unread; "
+                    "make the first field's box at least one step long on each axis, or pass a stride (one "
+                    "larger than the box leaves those gaps on purpose)", knob="stride")
         self.stride = tuple(int(s) for s in stride)
         if len(self.stride) != ndim or any(s < 1 for s in self.stride):
             raise InvalidArgument(f"TileGrid: stride must be {ndim} positive integers, got {self.stride}", knob="stride")
