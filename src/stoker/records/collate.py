@@ -266,7 +266,7 @@ class Concat:
         offsets = self._offsets(fields, plan, sizes, axes, legacy)
         for name, ts in fields.items():
             if name in offsets:
-                ts = [t + off for t, off in zip(ts, offsets[name])]
+                ts = _shift(name, ts, offsets[name])
             if name in legacy:
                 ts = [t.reshape(1) if t.ndim == 0 else t for t in ts]
                 _same_but(name, ts, 0, "only the first dim may differ: give the field dims in the dataset's "
@@ -339,8 +339,7 @@ class Concat:
         for key, ts in fields.items():
             if key in self.increment:
                 rows = [t.shape[0] for t in fields[self.increment[key]]]
-                offsets = np.cumsum([0] + rows[:-1]).tolist()
-                ts = [t + off for t, off in zip(ts, offsets)]
+                ts = _shift(key, ts, np.cumsum([0] + rows[:-1]).tolist())
             out[key] = torch.cat(ts, dim=0)
             sizes = torch.tensor([t.shape[0] for t in ts], dtype=torch.long)
             out[f"{key}_batch"] = torch.repeat_interleave(torch.arange(len(ts)), sizes)
@@ -353,6 +352,22 @@ class Concat:
         if self.batch_key is not None:
             args.append(f"batch_key={self.batch_key!r}")
         return f"Concat({', '.join(args)})"
+
+
+def _shift(key: str, ts: Sequence[torch.Tensor], offsets: Sequence[int]) -> list[torch.Tensor]:
+    """Index tensors ``ts`` plus their samples' ``offsets``, in their own dtype; a DtypeMismatch where a
+    shifted index would not fit it (torch would wrap it around silently: uint8 255 + 1 is 0)."""
+    out = []
+    for j, (t, off) in enumerate(zip(ts, offsets)):
+        if off and t.numel() and t.dtype != torch.int64:  # int64 indices of a batch never reach 2**63
+            top = int(t.max()) + int(off)
+            if top > torch.iinfo(t.dtype).max:
+                raise DtypeMismatch(
+                    f"increment {key!r}: sample {j}'s indices reach {top} in the batch, beyond what {t.dtype} holds "
+                    f"({torch.iinfo(t.dtype).max}); store the field as int64 (or int32), or cast it in the Loader's "
+                    "transform=", field=key, position=j)
+        out.append(t + off)
+    return out
 
 
 def _spec(name: str, spec: Any) -> Spec:

@@ -1,0 +1,53 @@
+"""stoker.records at its edges: values that a narrow dtype cannot hold, and what the data cannot tell.
+
+Tiny records written by zarr-python, read back by zarr-python (or built with numpy) as the oracle; each
+test is one edge a silently wrong value would hide behind.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+from stoker.errors import DtypeMismatch
+from stoker.records import Concat, Loader, ZarrRecords
+
+
+def write_graphs(root: str, nodes: list[int], index_dtype: str) -> None:
+    """Record i: ``points (nodes[i], 2)`` and ``edges (2, nodes[i])`` (each node to the last one) of
+    ``index_dtype``, as compact meshes are stored."""
+    for i, n in enumerate(nodes):
+        g = zarr.open_group(os.path.join(root, f"g{i:02d}.zarr"), mode="w")
+        g.create_array("points", data=np.arange(2 * n, dtype="f4").reshape(n, 2))
+        g.create_array("edges", data=np.stack([np.arange(n), np.full(n, n - 1)]).astype(index_dtype))
+
+
+@pytest.mark.parametrize("index_dtype", ["u1", "i2"])
+def test_incremented_indices_never_wrap_around_a_narrow_dtype(tmp_path, index_dtype):
+    # Each record's indices fit its dtype; the batch's offsets do not: they must not wrap silently.
+    limit = int(np.iinfo(index_dtype).max)
+    nodes = [limit // 2 + 1 + i for i in range(3)]
+    write_graphs(str(tmp_path), nodes, index_dtype)
+    ds = ZarrRecords(str(tmp_path), fields={"points": ("N", 2), "edges": (2, "E")})
+    loader = Loader(ds, 3, collate=Concat(increment={"edges": "N"}), shuffle=False, n_threads=1)
+    with pytest.raises(DtypeMismatch, match="'edges'") as info:
+        next(iter(loader))
+    assert "int64" in str(info.value) and info.value.context["sample"] in ds.names
+    # Without named dims (the legacy layout, indexing a field) alike.
+    legacy = [{"points": torch.zeros(n, 2), "edges": torch.full((n,), n - 1, dtype=getattr(torch, {
+        "u1": "uint8", "i2": "int16"}[index_dtype]))} for n in nodes]
+    with pytest.raises(DtypeMismatch, match="'edges'"):
+        Concat(increment={"edges": "points"})(legacy)
+    # Where the offsets fit, the dtype is kept and the values are zarr-python's plus the offsets.
+    small = [limit // 4 + i for i in range(3)]
+    write_graphs(str(tmp_path / "small"), small, index_dtype)
+    ds = ZarrRecords(str(tmp_path / "small"), fields={"points": ("N", 2), "edges": (2, "E")})
+    batch = next(iter(Loader(ds, 3, collate=Concat(increment={"edges": "N"}), shuffle=False, n_threads=1)))
+    want = np.concatenate([zarr.open_array(os.path.join(ds.metadata(i).path, "edges"))[:].astype(np.int64)
+                           + sum(small[:i]) for i in range(3)], axis=1)
+    assert batch["edges"].dtype == legacy[0]["edges"].dtype
+    assert np.array_equal(batch["edges"].numpy().astype(np.int64), want)
