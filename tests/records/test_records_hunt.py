@@ -14,7 +14,7 @@ import torch
 import zarr
 
 from stoker.errors import DtypeMismatch
-from stoker.records import Concat, Loader, ZarrRecords
+from stoker.records import Concat, Loader, Pad, ZarrRecords
 
 
 def write_graphs(root: str, nodes: list[int], index_dtype: str) -> None:
@@ -51,3 +51,22 @@ def test_incremented_indices_never_wrap_around_a_narrow_dtype(tmp_path, index_dt
                            + sum(small[:i]) for i in range(3)], axis=1)
     assert batch["edges"].dtype == legacy[0]["edges"].dtype
     assert np.array_equal(batch["edges"].numpy().astype(np.int64), want)
+
+
+def test_a_pad_value_the_field_cannot_hold_is_refused_not_changed(tmp_path):
+    # Pad(-1) on uint8 labels (an ignore_index) was 255, Pad(0.5) on int32 was 0: another value, silently.
+    for i, n in enumerate((2, 3)):
+        g = zarr.open_group(os.path.join(tmp_path, f"s{i}.zarr"), mode="w")
+        g.create_array("labels", data=np.arange(n, dtype="u1"))
+        g.create_array("ids", data=np.arange(n, dtype="i4"))
+        g.create_array("x", data=np.ones(n, dtype="f2"))
+    ds = ZarrRecords(str(tmp_path))
+    samples = [ds[0], ds[1]]
+    for value, field in ((-1, "labels"), (256, "labels"), (0.5, "ids"), (1e6, "x")):
+        with pytest.raises(DtypeMismatch, match=f"'{field}'"):
+            Pad(value)([{field: s[field]} for s in samples])
+    batch = Pad(-1)([{"ids": s["ids"], "x": s["x"]} for s in samples])
+    assert batch["ids"].dtype == torch.int32 and batch["ids"][0].tolist() == [0, 1, -1]
+    assert batch["x"].dtype == torch.float16 and batch["x"][0].tolist() == [1.0, 1.0, -1.0]
+    nan = Pad(float("nan"))([{"x": s["x"]} for s in samples])["x"]
+    assert torch.isnan(nan[0, 2]) and not torch.isnan(nan[1]).any()

@@ -25,6 +25,7 @@ use. Every sample must have the same fields and dtypes. Both return a
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Mapping, Sequence, Union
 
 import numpy as np
@@ -380,8 +381,8 @@ def _spec(name: str, spec: Any) -> Spec:
 
 
 class Pad:
-    """Pad each field along dim 0 to the batch's longest (with ``value``) and stack: ``(B, L, ...)``,
-    plus ``{field}_lengths`` (LongTensor ``(B,)``)."""
+    """Pad each field along dim 0 to the batch's longest (with ``value``, which every field's dtype must
+    hold as it is) and stack: ``(B, L, ...)``, plus ``{field}_lengths`` (LongTensor ``(B,)``)."""
 
     def __init__(self, value: float | int | bool = 0) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -393,6 +394,7 @@ class Pad:
         for key, ts in _fields(samples, "_lengths").items():
             lengths = [t.shape[0] for t in ts]
             first = ts[0]
+            _check_fill(key, self.value, first.dtype)
             stacked = torch.full((len(ts), max(lengths), *first.shape[1:]), self.value, dtype=first.dtype,
                                  device=first.device)
             for j, t in enumerate(ts):
@@ -403,6 +405,23 @@ class Pad:
 
     def __repr__(self) -> str:
         return f"Pad(value={self.value!r})"
+
+
+def _check_fill(key: str, value: float | int, dtype: torch.dtype) -> None:
+    """DtypeMismatch unless ``dtype`` holds ``value`` as it is (torch would store -1 in uint8 as 255, 0.5 in an
+    integer field as 0, and refuse 1e6 in float16 without naming the field)."""
+    if dtype.is_floating_point:
+        fits = math.isnan(value) or math.isinf(value) or abs(value) <= torch.finfo(dtype).max
+    elif dtype == torch.bool:
+        fits = value in (0, 1)
+    elif dtype.is_complex:
+        fits = True
+    else:
+        info = torch.iinfo(dtype)
+        fits = float(value).is_integer() and info.min <= value <= info.max
+    if not fits:
+        raise DtypeMismatch(f"Pad(value={value!r}) cannot be stored in field {key!r} ({dtype}); pad with a value "
+                            "the field's dtype holds, or cast the field in the Loader's transform=", field=key)
 
 
 def resolve(collate: CollateArg, ds: Any = None) -> Callable[[list], Any]:
