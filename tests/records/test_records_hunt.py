@@ -14,7 +14,7 @@ import torch
 import zarr
 
 from stoker.errors import DtypeMismatch
-from stoker.records import Concat, Loader, Pad, ZarrRecords
+from stoker.records import Concat, Loader, Pad, ZarrRecords, compute_stats, denormalize, normalize
 
 
 def write_graphs(root: str, nodes: list[int], index_dtype: str) -> None:
@@ -70,3 +70,20 @@ def test_a_pad_value_the_field_cannot_hold_is_refused_not_changed(tmp_path):
     assert batch["x"].dtype == torch.float16 and batch["x"][0].tolist() == [1.0, 1.0, -1.0]
     nan = Pad(float("nan"))([{"x": s["x"]} for s in samples])["x"]
     assert torch.isnan(nan[0, 2]) and not torch.isnan(nan[1]).any()
+
+
+def test_integer_fields_normalise_from_their_exact_values(tmp_path):
+    # Seconds since 1970: float32 holds them in steps of 128, 0.2 std here, before any subtraction.
+    for i in range(2):
+        g = zarr.open_group(os.path.join(tmp_path, f"t{i}.zarr"), mode="w")
+        g.create_array("time", data=1_700_000_000 + np.arange(i * 1000, (i + 1) * 1000, dtype="i8"))
+    ds = ZarrRecords(str(tmp_path))
+    stats = compute_stats(ds, ["time"], cache=False)
+    stored = np.concatenate([zarr.open_array(os.path.join(ds.metadata(i).path, "time"))[:] for i in range(2)])
+    assert float(stats["time"].mean) == stored.mean() and np.isclose(float(stats["time"].std), stored.std(), rtol=1e-12)
+    x = normalize(ds[0], stats)["time"]
+    want = ((stored[:1000] - stored.mean()) / stored.std()).astype(np.float32)
+    assert x.dtype == torch.float32
+    np.testing.assert_allclose(x.numpy(), want, rtol=0, atol=1e-6)
+    back = denormalize({"time": x.double()}, stats)["time"].numpy()
+    np.testing.assert_allclose(back, stored[:1000], rtol=0, atol=1e-3)

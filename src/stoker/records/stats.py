@@ -120,7 +120,7 @@ def normalize(sample: Mapping[str, torch.Tensor], stats: Mapping[str, FieldStats
     """``(x - mean) / std`` for every field of ``sample`` that ``stats`` covers; a new dict.
 
     Per-channel statistics broadcast over the last axis. Floating fields keep their
-    dtype, others become float32. Fields without statistics pass through as they are;
+    dtype, others become float32 (computed in float64 from their exact values). Fields without statistics pass through as they are;
     channels whose std is 0 are only centred.
     """
     return _affine(sample, stats, lambda x, mean, std: (x - mean) / std)
@@ -133,9 +133,12 @@ def _affine(sample: Mapping[str, torch.Tensor], stats: Mapping[str, FieldStats],
         st = stats.get(name)
         if st is None:
             continue
-        dtype = x.dtype if x.is_floating_point() else torch.float32
-        mean, std = _scale(st, dtype, x.device)
-        out[name] = fn(x.to(dtype), mean, std)
+        if x.is_floating_point():
+            mean, std = _scale(st, x.dtype, x.device)
+            out[name] = fn(x, mean, std)
+        else:  # from the exact values: float32 rounds integers beyond 2**24 (a timestamp in steps of 128)
+            mean, std = _scale(st, torch.float64, x.device)
+            out[name] = fn(x.to(torch.float64), mean, std).to(torch.float32)
     return out
 
 
