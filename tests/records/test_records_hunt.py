@@ -13,7 +13,8 @@ import pytest
 import torch
 import zarr
 
-from stoker.errors import DtypeMismatch
+from stoker.arraystats import compute_array_stats
+from stoker.errors import DtypeMismatch, InvalidArgument
 from stoker.records import Concat, Loader, Pad, ZarrRecords, compute_stats, denormalize, normalize
 
 
@@ -87,3 +88,13 @@ def test_integer_fields_normalise_from_their_exact_values(tmp_path):
     np.testing.assert_allclose(x.numpy(), want, rtol=0, atol=1e-6)
     back = denormalize({"time": x.double()}, stats)["time"].numpy()
     np.testing.assert_allclose(back, stored[:1000], rtol=0, atol=1e-3)
+
+
+@pytest.mark.parametrize("channel_axis", [None, 1])
+def test_statistics_of_an_array_without_elements_name_it(tmp_path, channel_axis):
+    # An AssertionError from deep inside the merge before.
+    uri = str(tmp_path / "empty.zarr")
+    zarr.create_array(store=uri, shape=(0, 4), chunks=(2, 4), dtype="f4")
+    with pytest.raises(InvalidArgument, match="no elements") as info:
+        compute_array_stats(uri, channel_axis=channel_axis)
+    assert info.value.context["uri"] == uri
