@@ -15,7 +15,7 @@ import zarr
 
 from stoker.arraystats import compute_array_stats
 from stoker.errors import DtypeMismatch, InvalidArgument
-from stoker.records import Concat, Loader, Pad, ZarrRecords, compute_stats, denormalize, normalize
+from stoker.records import Concat, Loader, Pad, ZarrRecords, compute_stats, denormalize, normalize, precompute
 
 
 def write_graphs(root: str, nodes: list[int], index_dtype: str) -> None:
@@ -98,3 +98,18 @@ def test_statistics_of_an_array_without_elements_name_it(tmp_path, channel_axis)
     with pytest.raises(InvalidArgument, match="no elements") as info:
         compute_array_stats(uri, channel_axis=channel_axis)
     assert info.value.context["uri"] == uri
+
+
+def test_precompute_keeps_the_shape_of_a_scalar_result(tmp_path):
+    # np.ascontiguousarray makes a 0-d result 1-d: a per-record scalar came back as shape (1,).
+    for i in range(2):
+        g = zarr.open_group(os.path.join(tmp_path, f"p{i}.zarr"), mode="w", zarr_format=2 + i)
+        g.create_array("points", data=np.arange(6 * (i + 1), dtype="f4").reshape(-1, 3))
+    ds = ZarrRecords(str(tmp_path), fields=["points"])
+    precompute(ds, "extent", lambda s: s["points"].max() - s["points"].min(), {"v": 1})
+    precompute(ds, "centre", lambda s: s["points"].mean(0).numpy(), {"v": 1})
+    for i in range(2):
+        g = zarr.open_group(ds.metadata(i).path, mode="r")
+        assert g["extent"].shape == () and g["centre"].shape == (3,)
+    ds = ZarrRecords(str(tmp_path), fields=["points", "extent"])
+    assert ds[1]["extent"].shape == () and float(ds[1]["extent"]) == 11.0
