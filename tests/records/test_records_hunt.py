@@ -14,7 +14,7 @@ import torch
 import zarr
 
 from stoker.arraystats import compute_array_stats
-from stoker.errors import DtypeMismatch, InvalidArgument
+from stoker.errors import DtypeMismatch, InvalidArgument, RankMismatch
 from stoker.records import Concat, Loader, Pad, ZarrRecords, compute_stats, denormalize, normalize, precompute
 
 
@@ -113,3 +113,27 @@ def test_precompute_keeps_the_shape_of_a_scalar_result(tmp_path):
         assert g["extent"].shape == () and g["centre"].shape == (3,)
     ds = ZarrRecords(str(tmp_path), fields=["points", "extent"])
     assert ds[1]["extent"].shape == () and float(ds[1]["extent"]) == 11.0
+
+
+def test_a_transform_that_changes_a_field_s_dims_is_not_joined_by_the_stored_spec(tmp_path):
+    # The bound spec says mesh_pos (T, N, 3): after a transform keeping step 0, (N, 3), "axis 1" is the
+    # channels. One record per batch (or equal N) joined there silently: batch had 3 entries, not N.
+    for i in range(3):
+        g = zarr.open_group(os.path.join(tmp_path, f"m{i}.zarr"), mode="w")
+        g.create_array("mesh_pos", data=np.arange(2 * (4 + i) * 3, dtype="f4").reshape(2, 4 + i, 3))
+        g.create_array("edges", data=np.stack([np.arange(4 + i), np.zeros(4 + i)]).astype("i8"))
+    ds = ZarrRecords(str(tmp_path), fields={"mesh_pos": ("T", "N", 3), "edges": (2, "E")})
+
+    def first_step(s):
+        return {**s, "mesh_pos": s["mesh_pos"][0]}
+
+    loader = Loader(ds, 1, collate=Concat(increment={"edges": "N"}), shuffle=False, transform=first_step)
+    with pytest.raises(RankMismatch, match="'mesh_pos'.*dims="):
+        next(iter(loader))
+    # Told the samples' dims, it joins them right: the oracle is zarr-python's step 0 of each record.
+    collate = Concat(increment={"edges": "N"}, dims={"mesh_pos": ("N", 3), "edges": (2, "E")})
+    batch = next(iter(Loader(ds, 3, collate=collate, shuffle=False, transform=first_step)))
+    stored = [zarr.open_group(ds.metadata(i).path, mode="r") for i in range(3)]
+    assert np.array_equal(batch["mesh_pos"].numpy(), np.concatenate([g["mesh_pos"][0] for g in stored]))
+    assert batch["batch"].tolist() == [0] * 4 + [1] * 5 + [2] * 6
+    assert batch["edges"][0].tolist() == list(range(15))

@@ -250,7 +250,13 @@ class Concat:
             dim = joined
             axis = self._axis(name, dim)
             ts = fields[name]
+            spec = (self.dims or {}).get(name)
             for j, t in enumerate(ts):
+                if spec is not None and t.ndim != len(spec):  # its axes are not the spec's: axis means another dim
+                    raise RankMismatch(f"field {name!r}: sample {j} has shape {tuple(t.shape)}, but its dims are "
+                                       f"{spec}, so dim {dim!r} is not axis {axis} of it (a transform changed "
+                                       "it?); pass Concat(dims={field: dims}) with the dims the samples have",
+                                       field=name, shape=tuple(t.shape), position=j)
                 if t.ndim <= axis:
                     raise RankMismatch(f"field {name!r}: sample {j} has shape {tuple(t.shape)}, with no axis "
                                        f"{axis} for dim {dim!r}", field=name, shape=tuple(t.shape), position=j)
