@@ -366,15 +366,24 @@ def _shift(key: str, ts: Sequence[torch.Tensor], offsets: Sequence[int]) -> list
     shifted index would not fit it (torch would wrap it around silently: uint8 255 + 1 is 0)."""
     out = []
     for j, (t, off) in enumerate(zip(ts, offsets)):
+        # torch has neither max nor addition for uint16/32/64: both in int64 (checked to fit), then cast back
+        wide = t.dtype in _NO_ADD
+        v = t.to(torch.int64) if wide else t
         if off and t.numel() and t.dtype != torch.int64:  # int64 indices of a batch never reach 2**63
-            top = int(t.max()) + int(off)
-            if top > torch.iinfo(t.dtype).max:
+            most = min(torch.iinfo(t.dtype).max, torch.iinfo(torch.int64).max)
+            # a uint64 index beyond int64's range wrapped to a negative one in v
+            top = most + 1 if wide and int(v.min()) < 0 else int(v.max()) + int(off)
+            if top > most:
                 raise DtypeMismatch(
                     f"increment {key!r}: sample {j}'s indices reach {top} in the batch, beyond what {t.dtype} holds "
-                    f"({torch.iinfo(t.dtype).max}); store the field as int64 (or int32), or cast it in the Loader's "
-                    "transform=", field=key, position=j)
-        out.append(t + off)
+                    f"({most}); store the field as int64 (or int32), or cast it in the Loader's transform=",
+                    field=key, position=j)
+        out.append((v + off).to(t.dtype))
     return out
+
+
+#: integer dtypes torch has no addition for
+_NO_ADD = (torch.uint16, torch.uint32, torch.uint64)
 
 
 def _spec(name: str, spec: Any) -> Spec:
