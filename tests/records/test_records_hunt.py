@@ -15,7 +15,7 @@ import zarr
 
 from stoker.arraystats import compute_array_stats
 from stoker.errors import DtypeMismatch, InvalidArgument, RankMismatch
-from stoker.records import Concat, Loader, Pad, ZarrRecords, compute_stats, denormalize, normalize, precompute
+from stoker.records import Concat, Loader, Pad, ZarrRecords, compute_stats, denormalize, knn_graph, normalize, precompute
 
 
 def write_graphs(root: str, nodes: list[int], index_dtype: str) -> None:
@@ -141,3 +141,17 @@ def test_a_transform_that_changes_a_field_s_dims_is_not_joined_by_the_stored_spe
     assert np.array_equal(batch["mesh_pos"].numpy(), np.concatenate([g["mesh_pos"][0] for g in stored]))
     assert batch["batch"].tolist() == [0] * 4 + [1] * 5 + [2] * 6
     assert batch["edges"][0].tolist() == list(range(15))
+
+
+def test_an_error_of_a_user_function_names_the_record_it_was_computing(tmp_path):
+    # "k=4 neighbours asked for but there are only 3 points", and no word of which record has 3.
+    for i, n in enumerate((9, 3, 12)):
+        g = zarr.open_group(os.path.join(tmp_path, f"cloud_{i}.zarr"), mode="w")
+        g.create_array("x", data=np.random.default_rng(i).random((n, 3)).astype("f4"))
+    ds = ZarrRecords(str(tmp_path))
+    with pytest.raises(InvalidArgument, match="only 3 points") as info:
+        precompute(ds, "knn4", lambda s: knn_graph(s["x"], 4), {"k": 4})
+    assert "'cloud_1.zarr'" in " ".join(getattr(info.value, "__notes__", []))
+    with pytest.raises(InvalidArgument, match="only 3 points") as info:
+        compute_stats(ds, ["x"], derived={"nb": lambda s: knn_graph(s["x"], 4)}, derived_input="raw", cache=False)
+    assert "'cloud_1.zarr'" in " ".join(getattr(info.value, "__notes__", []))

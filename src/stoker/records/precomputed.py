@@ -262,7 +262,13 @@ def _store(local: ZarrRecords, i: int, name: str, fn: Callable[[Sample], Any], f
     with held:
         if not wait and done():  # finished by another process between the look above and the claim
             return False
-        write_array(record, name, _as_numpy(fn(local[i]), sample, name), attrs)
+        try:
+            value = fn(local[i])
+        except Exception as exc:
+            if hasattr(exc, "add_note"):  # Python 3.11+: say which record, as the message of fn cannot
+                exc.add_note(f"(while precompute({name!r}) computed record {sample!r})")
+            raise
+        write_array(record, name, _as_numpy(value, sample, name), attrs)
     return True
 
 

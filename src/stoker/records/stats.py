@@ -322,7 +322,12 @@ def _derived_pass(local: ZarrRecords, plain: Mapping[str, FieldStats], derived: 
             raw = local[i]
             sample = raw if derived_input == "raw" else normalize(raw, plain)  # normalised: what training sees
             for j, (name, fn) in enumerate(derived.items()):
-                value = fn(_Watched(sample, set(plain), name) if derived_input is None else sample)
+                try:
+                    value = fn(_Watched(sample, set(plain), name) if derived_input is None else sample)
+                except Exception as exc:
+                    if hasattr(exc, "add_note"):  # Python 3.11+: say which record, as the message of fn cannot
+                        exc.add_note(f"(while compute_stats computed derived {name!r} of record {local.names[i]!r})")
+                    raise
                 if not isinstance(value, torch.Tensor):
                     value = torch.as_tensor(np.asarray(value))
                 if value.is_complex():
