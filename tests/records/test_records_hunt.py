@@ -155,3 +155,16 @@ def test_an_error_of_a_user_function_names_the_record_it_was_computing(tmp_path)
     with pytest.raises(InvalidArgument, match="only 3 points") as info:
         compute_stats(ds, ["x"], derived={"nb": lambda s: knn_graph(s["x"], 4)}, derived_input="raw", cache=False)
     assert "'cloud_1.zarr'" in " ".join(getattr(info.value, "__notes__", []))
+
+
+@pytest.mark.parametrize("copy", [dict, lambda s: {**s}, lambda s: s.copy(), lambda s: s | {}, lambda s: {
+    "x": s.pop("x")}, lambda s: {"x": s.setdefault("x", None)}])
+def test_a_derived_function_cannot_read_normalised_fields_through_a_copy(tmp_path, copy):
+    # Only s[...] and s.get were watched: {**s} (the usual way to extend a sample) read normalised values
+    # without derived_input saying so, silently.
+    for i in range(2):
+        g = zarr.open_group(os.path.join(tmp_path, f"r{i}.zarr"), mode="w")
+        g.create_array("x", data=np.arange(3 * (i + 2), dtype="f4").reshape(-1, 3))
+    ds = ZarrRecords(str(tmp_path))
+    with pytest.raises(InvalidArgument, match="derived 'spread' reads field 'x'.*derived_input"):
+        compute_stats(ds, ["x"], derived={"spread": lambda s: copy(s)["x"].std(0)}, cache=False)

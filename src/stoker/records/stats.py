@@ -312,6 +312,30 @@ class _Watched(dict):
             self._check(key)
         return super().items()
 
+    # dict's own copies (dict(s), {**s}, s.copy(), s | {}) and removals read values past __getitem__: a copy
+    # is read through it (an __iter__ of its own turns CPython's fast copy off), the others check first.
+    def __iter__(self):
+        return super().__iter__()
+
+    def copy(self) -> dict:  # type: ignore[override]
+        return dict(self.items())
+
+    def __or__(self, other: Any) -> dict:  # type: ignore[override]
+        return {**self, **other}
+
+    def pop(self, key: Any, *default: Any) -> Any:  # type: ignore[override]
+        self._check(key)
+        return super().pop(key, *default)
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:  # type: ignore[override]
+        self._check(key)
+        return super().setdefault(key, default)
+
+    def popitem(self) -> tuple:  # type: ignore[override]
+        if self:
+            self._check(next(reversed(self)))
+        return super().popitem()
+
 
 def _derived_pass(local: ZarrRecords, plain: Mapping[str, FieldStats], derived: Mapping[str, Derived],
                   per_channel: bool, skip: bool, derived_input: str | None = "normalized"
