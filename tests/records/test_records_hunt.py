@@ -7,6 +7,7 @@ test is one edge a silently wrong value would hide behind.
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -14,7 +15,8 @@ import torch
 import zarr
 
 from stoker.arraystats import compute_array_stats
-from stoker.errors import DtypeMismatch, InvalidArgument, RankMismatch
+from stoker.errors import DtypeMismatch, InvalidArgument, RankMismatch, StorageError
+from stoker.reader.array import ArrayReader
 from stoker.records import Concat, Loader, Pad, ZarrRecords, compute_stats, denormalize, knn_graph, normalize, precompute
 
 
@@ -168,3 +170,24 @@ def test_a_derived_function_cannot_read_normalised_fields_through_a_copy(tmp_pat
     ds = ZarrRecords(str(tmp_path))
     with pytest.raises(InvalidArgument, match="derived 'spread' reads field 'x'.*derived_input"):
         compute_stats(ds, ["x"], derived={"spread": lambda s: copy(s)["x"].std(0)}, cache=False)
+
+
+@pytest.mark.parametrize("threads,chunks", [(1, (4, 4)), (4, (8, 8))])
+def test_a_stuck_read_times_out_with_one_thread_or_one_chunk(tmp_path, monkeypatch, threads, chunks):
+    # One thread (a one-CPU container's default) or one chunk read on the calling thread, unbounded:
+    # timeout_s was not applied and a hung mount hung compute_stats for ever.
+    uri = str(tmp_path / "a.zarr")
+    zarr.create_array(store=uri, data=np.ones((8, 8), dtype="f4"), chunks=chunks)
+    release = threading.Event()
+    real = ArrayReader.read
+
+    def stuck(self, box):
+        release.wait(30)
+        return real(self, box)
+
+    monkeypatch.setattr(ArrayReader, "read", stuck)
+    try:
+        with pytest.raises(StorageError, match=r"a\.zarr: reading .*took more than 0\.2 s"):
+            compute_array_stats(uri, cache=False, threads=threads, timeout_s=0.2)
+    finally:
+        release.set()
