@@ -6,10 +6,10 @@
 
 At most ``2 * threads`` items are in flight or waiting to be taken, so memory holds that many results (and
 ``threads`` reads) whatever the number of items. Reads and decodes release the GIL, so the threads read in
-parallel. Each result is waited for at most ``timeout_s`` (with one thread, or one item, too: they run on
-the pool as well) (a read stuck on a hung mount is a
-:class:`~stoker.errors.StorageError` naming the item, never a hang); an error of ``fn`` is raised in its
-place. The threads are :class:`~stoker.runtime.workers.DaemonPool`'s: never joined at exit.
+parallel. Each result is waited for at most ``timeout_s`` (a read stuck on a hung mount is a
+:class:`~stoker.errors.StorageError` naming the item, never a hang), with one thread or one item too: they
+run on the pool as well. An error of ``fn`` is raised in its place. The threads are
+:class:`~stoker.runtime.workers.DaemonPool`'s: never joined at exit.
 """
 
 from __future__ import annotations

@@ -120,8 +120,9 @@ def normalize(sample: Mapping[str, torch.Tensor], stats: Mapping[str, FieldStats
     """``(x - mean) / std`` for every field of ``sample`` that ``stats`` covers; a new dict.
 
     Per-channel statistics broadcast over the last axis. Floating fields keep their
-    dtype, others become float32 (computed in float64 from their exact values). Fields without statistics pass through as they are;
-    channels whose std is 0 are only centred.
+    dtype, others become float32 (computed in float64 from their exact values).
+    Fields without statistics pass through as they are; channels whose std is 0 are
+    only centred.
     """
     return _affine(sample, stats, lambda x, mean, std: (x - mean) / std)
 
