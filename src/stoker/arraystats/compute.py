@@ -283,6 +283,9 @@ def _one_array(uri: str, region: Any, channel_axis: int | None, nonfinite: str, 
     reader = open_array(uri, storage_options, store=store)
     _check_array(reader, channel_axis)
     box = parse_region(region, reader.shape, uri, reader, storage_options)
+    if any(stop == start for start, stop in box):  # only a shape with a 0 (a region is never empty)
+        raise InvalidArgument(f"compute_stats: {uri} holds no elements (shape {tuple(reader.shape)}): there is "
+                              "nothing to compute statistics of", uri=uri)
     axis = None if channel_axis is None else channel_axis % reader.ndim
     channels = _channels(box, axis)
     lead = rank_info(group).rank == 0

@@ -7,8 +7,9 @@
 At most ``2 * threads`` items are in flight or waiting to be taken, so memory holds that many results (and
 ``threads`` reads) whatever the number of items. Reads and decodes release the GIL, so the threads read in
 parallel. Each result is waited for at most ``timeout_s`` (a read stuck on a hung mount is a
-:class:`~stoker.errors.StorageError` naming the item, never a hang); an error of ``fn`` is raised in its
-place. The threads are :class:`~stoker.runtime.workers.DaemonPool`'s: never joined at exit.
+:class:`~stoker.errors.StorageError` naming the item, never a hang), with one thread or one item too: they
+run on the pool as well. An error of ``fn`` is raised in its place. The threads are
+:class:`~stoker.runtime.workers.DaemonPool`'s: never joined at exit.
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ from ..runtime.workers import DaemonPool
 def ordered_map(fn: Callable[[Any], Any], items: Sequence[Any], threads: int, timeout_s: float,
                 what: str) -> Generator[Any, None, None]:
     """``fn(item)`` for every item, yielded in order (see the module docstring); ``what`` names the work."""
-    if threads <= 1 or len(items) <= 1:
-        for item in items:
-            yield fn(item)
+    if not items:
         return
+    # Even one thread, or one item, reads on the pool: on the calling thread no wait could be bounded.
+    threads = max(1, min(threads, len(items)))
     cv = threading.Condition()
     done: dict[int, tuple[bool, Any]] = {}
 

@@ -25,6 +25,7 @@ use. Every sample must have the same fields and dtypes. Both return a
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Mapping, Sequence, Union
 
 import numpy as np
@@ -249,7 +250,13 @@ class Concat:
             dim = joined
             axis = self._axis(name, dim)
             ts = fields[name]
+            spec = (self.dims or {}).get(name)
             for j, t in enumerate(ts):
+                if spec is not None and t.ndim != len(spec):  # its axes are not the spec's: axis means another dim
+                    raise RankMismatch(f"field {name!r}: sample {j} has shape {tuple(t.shape)}, but its dims are "
+                                       f"{spec}, so dim {dim!r} is not axis {axis} of it (a transform changed "
+                                       "it?); pass Concat(dims={field: dims}) with the dims the samples have",
+                                       field=name, shape=tuple(t.shape), position=j)
                 if t.ndim <= axis:
                     raise RankMismatch(f"field {name!r}: sample {j} has shape {tuple(t.shape)}, with no axis "
                                        f"{axis} for dim {dim!r}", field=name, shape=tuple(t.shape), position=j)
@@ -266,7 +273,7 @@ class Concat:
         offsets = self._offsets(fields, plan, sizes, axes, legacy)
         for name, ts in fields.items():
             if name in offsets:
-                ts = [t + off for t, off in zip(ts, offsets[name])]
+                ts = _shift(name, ts, offsets[name])
             if name in legacy:
                 ts = [t.reshape(1) if t.ndim == 0 else t for t in ts]
                 _same_but(name, ts, 0, "only the first dim may differ: give the field dims in the dataset's "
@@ -339,8 +346,7 @@ class Concat:
         for key, ts in fields.items():
             if key in self.increment:
                 rows = [t.shape[0] for t in fields[self.increment[key]]]
-                offsets = np.cumsum([0] + rows[:-1]).tolist()
-                ts = [t + off for t, off in zip(ts, offsets)]
+                ts = _shift(key, ts, np.cumsum([0] + rows[:-1]).tolist())
             out[key] = torch.cat(ts, dim=0)
             sizes = torch.tensor([t.shape[0] for t in ts], dtype=torch.long)
             out[f"{key}_batch"] = torch.repeat_interleave(torch.arange(len(ts)), sizes)
@@ -355,6 +361,31 @@ class Concat:
         return f"Concat({', '.join(args)})"
 
 
+def _shift(key: str, ts: Sequence[torch.Tensor], offsets: Sequence[int]) -> list[torch.Tensor]:
+    """Index tensors ``ts`` plus their samples' ``offsets``, in their own dtype; a DtypeMismatch where a
+    shifted index would not fit it (torch would wrap it around silently: uint8 255 + 1 is 0)."""
+    out = []
+    for j, (t, off) in enumerate(zip(ts, offsets)):
+        # torch has neither max nor addition for uint16/32/64: both in int64 (checked to fit), then cast back
+        wide = t.dtype in _NO_ADD
+        v = t.to(torch.int64) if wide else t
+        if off and t.numel() and t.dtype != torch.int64:  # int64 indices of a batch never reach 2**63
+            most = min(torch.iinfo(t.dtype).max, torch.iinfo(torch.int64).max)
+            # a uint64 index beyond int64's range wrapped to a negative one in v
+            top = most + 1 if wide and int(v.min()) < 0 else int(v.max()) + int(off)
+            if top > most:
+                raise DtypeMismatch(
+                    f"increment {key!r}: sample {j}'s indices reach {top} in the batch, beyond what {t.dtype} holds "
+                    f"({most}); store the field as int64 (or int32), or cast it in the Loader's transform=",
+                    field=key, position=j)
+        out.append((v + off).to(t.dtype))
+    return out
+
+
+#: integer dtypes torch has no addition for
+_NO_ADD = (torch.uint16, torch.uint32, torch.uint64)
+
+
 def _spec(name: str, spec: Any) -> Spec:
     if spec is None:
         return None
@@ -365,8 +396,8 @@ def _spec(name: str, spec: Any) -> Spec:
 
 
 class Pad:
-    """Pad each field along dim 0 to the batch's longest (with ``value``) and stack: ``(B, L, ...)``,
-    plus ``{field}_lengths`` (LongTensor ``(B,)``)."""
+    """Pad each field along dim 0 to the batch's longest (with ``value``, which every field's dtype must
+    hold as it is) and stack: ``(B, L, ...)``, plus ``{field}_lengths`` (LongTensor ``(B,)``)."""
 
     def __init__(self, value: float | int | bool = 0) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -378,6 +409,7 @@ class Pad:
         for key, ts in _fields(samples, "_lengths").items():
             lengths = [t.shape[0] for t in ts]
             first = ts[0]
+            _check_fill(key, self.value, first.dtype)
             stacked = torch.full((len(ts), max(lengths), *first.shape[1:]), self.value, dtype=first.dtype,
                                  device=first.device)
             for j, t in enumerate(ts):
@@ -388,6 +420,23 @@ class Pad:
 
     def __repr__(self) -> str:
         return f"Pad(value={self.value!r})"
+
+
+def _check_fill(key: str, value: float | int, dtype: torch.dtype) -> None:
+    """DtypeMismatch unless ``dtype`` holds ``value`` as it is (torch would store -1 in uint8 as 255, 0.5 in an
+    integer field as 0, and refuse 1e6 in float16 without naming the field)."""
+    if dtype.is_floating_point:
+        fits = math.isnan(value) or math.isinf(value) or abs(value) <= torch.finfo(dtype).max
+    elif dtype == torch.bool:
+        fits = value in (0, 1)
+    elif dtype.is_complex:
+        fits = True
+    else:
+        info = torch.iinfo(dtype)
+        fits = float(value).is_integer() and info.min <= value <= info.max
+    if not fits:
+        raise DtypeMismatch(f"Pad(value={value!r}) cannot be stored in field {key!r} ({dtype}); pad with a value "
+                            "the field's dtype holds, or cast the field in the Loader's transform=", field=key)
 
 
 def resolve(collate: CollateArg, ds: Any = None) -> Callable[[list], Any]:

@@ -141,6 +141,8 @@ def _check_replaceable(record: str, sample: str, name: str) -> None:
 
 
 def _as_numpy(value: Any, record: str, name: str) -> np.ndarray:
+    """``fn``'s result as a C-ordered array of its own shape (a 0-d result stays 0-d, which
+    ``np.ascontiguousarray`` alone would make 1-d)."""
     if isinstance(value, torch.Tensor):
         value = value.detach()
         if value.dtype == torch.bfloat16:
@@ -149,9 +151,10 @@ def _as_numpy(value: Any, record: str, name: str) -> np.ndarray:
         if value.is_complex() or value.is_quantized:
             raise DtypeMismatch(f"{name}: fn returned {value.dtype}, which stoker does not store",
                                 field=name, sample=record)
-        return np.ascontiguousarray(value.cpu().numpy())
+        value = value.cpu().numpy()
+        return np.ascontiguousarray(value).reshape(value.shape)
     if isinstance(value, np.ndarray) and value.dtype.kind in "biuf":
-        return np.ascontiguousarray(value)
+        return np.ascontiguousarray(value).reshape(value.shape)
     raise InvalidArgument(f"fn must return a torch.Tensor; for record {record!r} it returned "
                           f"{type(value).__name__}", field=name, sample=record)
 
@@ -259,7 +262,13 @@ def _store(local: ZarrRecords, i: int, name: str, fn: Callable[[Sample], Any], f
     with held:
         if not wait and done():  # finished by another process between the look above and the claim
             return False
-        write_array(record, name, _as_numpy(fn(local[i]), sample, name), attrs)
+        try:
+            value = fn(local[i])
+        except Exception as exc:
+            if hasattr(exc, "add_note"):  # Python 3.11+: say which record, as the message of fn cannot
+                exc.add_note(f"(while precompute({name!r}) computed record {sample!r})")
+            raise
+        write_array(record, name, _as_numpy(value, sample, name), attrs)
     return True
 
 

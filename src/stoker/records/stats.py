@@ -120,8 +120,9 @@ def normalize(sample: Mapping[str, torch.Tensor], stats: Mapping[str, FieldStats
     """``(x - mean) / std`` for every field of ``sample`` that ``stats`` covers; a new dict.
 
     Per-channel statistics broadcast over the last axis. Floating fields keep their
-    dtype, others become float32. Fields without statistics pass through as they are;
-    channels whose std is 0 are only centred.
+    dtype, others become float32 (computed in float64 from their exact values).
+    Fields without statistics pass through as they are; channels whose std is 0 are
+    only centred.
     """
     return _affine(sample, stats, lambda x, mean, std: (x - mean) / std)
 
@@ -133,9 +134,12 @@ def _affine(sample: Mapping[str, torch.Tensor], stats: Mapping[str, FieldStats],
         st = stats.get(name)
         if st is None:
             continue
-        dtype = x.dtype if x.is_floating_point() else torch.float32
-        mean, std = _scale(st, dtype, x.device)
-        out[name] = fn(x.to(dtype), mean, std)
+        if x.is_floating_point():
+            mean, std = _scale(st, x.dtype, x.device)
+            out[name] = fn(x, mean, std)
+        else:  # from the exact values: float32 rounds integers beyond 2**24 (a timestamp in steps of 128)
+            mean, std = _scale(st, torch.float64, x.device)
+            out[name] = fn(x.to(torch.float64), mean, std).to(torch.float32)
     return out
 
 
@@ -309,6 +313,30 @@ class _Watched(dict):
             self._check(key)
         return super().items()
 
+    # dict's own copies (dict(s), {**s}, s.copy(), s | {}) and removals read values past __getitem__: a copy
+    # is read through it (an __iter__ of its own turns CPython's fast copy off), the others check first.
+    def __iter__(self):
+        return super().__iter__()
+
+    def copy(self) -> dict:  # type: ignore[override]
+        return dict(self.items())
+
+    def __or__(self, other: Any) -> dict:  # type: ignore[override]
+        return {**self, **other}
+
+    def pop(self, key: Any, *default: Any) -> Any:  # type: ignore[override]
+        self._check(key)
+        return super().pop(key, *default)
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:  # type: ignore[override]
+        self._check(key)
+        return super().setdefault(key, default)
+
+    def popitem(self) -> tuple:  # type: ignore[override]
+        if self:
+            self._check(next(reversed(self)))
+        return super().popitem()
+
 
 def _derived_pass(local: ZarrRecords, plain: Mapping[str, FieldStats], derived: Mapping[str, Derived],
                   per_channel: bool, skip: bool, derived_input: str | None = "normalized"
@@ -319,7 +347,12 @@ def _derived_pass(local: ZarrRecords, plain: Mapping[str, FieldStats], derived: 
             raw = local[i]
             sample = raw if derived_input == "raw" else normalize(raw, plain)  # normalised: what training sees
             for j, (name, fn) in enumerate(derived.items()):
-                value = fn(_Watched(sample, set(plain), name) if derived_input is None else sample)
+                try:
+                    value = fn(_Watched(sample, set(plain), name) if derived_input is None else sample)
+                except Exception as exc:
+                    if hasattr(exc, "add_note"):  # Python 3.11+: say which record, as the message of fn cannot
+                        exc.add_note(f"(while compute_stats computed derived {name!r} of record {local.names[i]!r})")
+                    raise
                 if not isinstance(value, torch.Tensor):
                     value = torch.as_tensor(np.asarray(value))
                 if value.is_complex():
