@@ -192,6 +192,25 @@ def test_second_run_writes_nothing_and_new_params_recompute(data):
     assert pre.fingerprint("knn", {"a": 1, "b": (1, 2)}) == pre.fingerprint("knn", {"b": [1, 2], "a": 1})
 
 
+def test_a_record_rewritten_at_another_size_is_computed_again(data):
+    # A record remeshed (its points rewritten, 20 instead of 18) after its k-NN table was stored: a new dataset's
+    # precompute recomputes that record alone, not skipping it for its unchanged name and params (a table of
+    # 18 rows would index points that no longer exist); the others are skipped as before.
+    root, points = data
+    precompute(ZarrRecords(root, fields=["points", "rid"]), "knn", Counter(), params={"k": K})
+    g = zarr.open_group(os.path.join(root, "rec_003.zarr"), mode="r+")
+    remeshed = np.random.default_rng(9).normal(size=(20, 3)).astype("f4")
+    del g["points"]
+    g.create_array("points", data=remeshed, chunks=(8, 3))
+    fn = Counter()
+    res = precompute(ZarrRecords(root, fields=["points", "rid"]), "knn", fn, params={"k": K})
+    assert fn.seen == [3] and (res.written, res.skipped) == (1, N_RECORDS - 1)
+    got = ZarrRecords(root, fields=["knn"])[3]["knn"]
+    assert torch.equal(got, brute_knn(torch.from_numpy(remeshed), K))
+    assert pre.stored_inputs(os.path.join(root, "rec_003.zarr"), "knn") == \
+        {"points": [[20, 3], "<f4"], "rid": [[1], "<i8"]}
+
+
 def test_only_records_without_a_matching_array_are_computed(data):
     root, _ = data
     ds = ZarrRecords(root, fields=["points", "rid"])

@@ -16,8 +16,12 @@ the call is collective and returns once every rank is done.
 
 **Idempotent.** The array's attributes hold a fingerprint of ``name`` and
 ``params`` (``attrs["stoker_precompute"]``); a record whose array carries the
-same fingerprint is skipped, any other (or none) is recomputed. The fingerprint
-cannot see a changed ``fn`` or changed input data: put a version in ``params``.
+same fingerprint is skipped, any other (or none) is recomputed. Beside it the
+attributes record the stored shape and dtype of each of the dataset's other fields
+in that record (``inputs``, from the catalog: no read), and a record whose fields
+no longer have them (rewritten: a remeshed sample's N nodes against a k-NN table of
+N_old rows) is recomputed too. Neither can see a changed ``fn``, nor values
+rewritten at the same shapes: put a version in ``params``.
 
 **Atomic.** The array is written to a hidden sibling directory
 (``.<name>.tmp-<host>-<pid>-<random>``; hidden names are never fields), its files
@@ -126,6 +130,20 @@ def stored_fingerprint(record: str, name: str) -> str | None:
     entry = attrs.get(ATTR) if attrs else None
     fp = entry.get("fingerprint") if isinstance(entry, dict) else None
     return fp if isinstance(fp, str) else None
+
+
+def stored_inputs(record: str, name: str) -> Any:
+    """The ``inputs`` the array ``name`` in the record group at ``record`` was computed from (see the module
+    docstring); None when absent (an array of an older stoker: recomputed once)."""
+    attrs = _attributes(os.path.join(record, name))
+    entry = attrs.get(ATTR) if attrs else None
+    return entry.get("inputs") if isinstance(entry, dict) else None
+
+
+def record_inputs(info: Any, name: str) -> dict[str, list]:
+    """``{field: [stored shape, dtype]}`` of a record's fields (``info``: its ``ZarrRecords.metadata``) but
+    ``name``, as JSON data: what an array precomputed from them was computed from."""
+    return {f: [list(v.stored_shape), np.dtype(v.dtype).str] for f, v in sorted(info.fields.items()) if f != name}
 
 
 def _check_replaceable(record: str, sample: str, name: str) -> None:
@@ -246,12 +264,15 @@ def _store(local: ZarrRecords, i: int, name: str, fn: Callable[[Sample], Any], f
     """Store record ``i``'s array under its claim: True when written here, False when it was there (or another
     process wrote it while this one waited), None (``wait=False``) when another process is writing it now."""
     record = record_folder(local, i)
-    sample = local.metadata(i).name
+    info = local.metadata(i)
+    sample = info.name
     final = os.path.join(record, name)
     remove_dead_siblings(final)
+    inputs = record_inputs(info, name)
+    attrs = {ATTR: {**attrs[ATTR], "inputs": inputs}}
 
-    def done() -> bool:
-        return stored_fingerprint(record, name) == fp
+    def done() -> bool:  # the same name and params, from fields of the same shapes and dtypes
+        return stored_fingerprint(record, name) == fp and stored_inputs(record, name) == inputs
 
     if done():
         return False
@@ -351,4 +372,5 @@ def precompute(ds: ZarrRecords, name: str, fn: Callable[[Sample], torch.Tensor],
                             sum(int(t[1]) for t in tails), sum(int(t[2]) for t in tails))
 
 
-__all__ = ["PrecomputeResult", "precompute", "fingerprint", "record_folder", "stored_fingerprint", "write_array"]
+__all__ = ["PrecomputeResult", "precompute", "fingerprint", "record_folder", "record_inputs", "stored_fingerprint",
+           "stored_inputs", "write_array"]
