@@ -16,7 +16,8 @@ How the work is split (see docs/inference.md):
   equal shares of a grid make them do): each rank cuts its predictions into the parts each region needs,
   and one ``all_gather_object`` hands every rank the parts of the regions it owns.
 - A rank keeps what each region it owns has received until the region is finished: the value of the earliest tile
-  covering each voxel (``none``: the tile whose output box starts first, so the result is independent of order;
+  covering each voxel (``none``: the tile whose output box starts first, ties broken by the tile's box, so the
+  result is independent of order;
   rounded to the nearest for an integer output, as the weighted blends round), or the parts themselves
   (``linear``, ``hann``: copies, blended on a write thread when the region is finished: a voxel one part covers
   is that part's value, and only where parts overlap are weights multiplied and summed, in float64; folded into
@@ -177,9 +178,9 @@ class _Region:
         if blend == "none":
             # not zeroed: every voxel is written, by a part or (no part reached it) at the region's finish
             self.values = pool.take(self.full, dtype, zero=False)
-            # the boxes placed so far (from the region's first voxel) and their tiles' starts: which tile wins a
-            # voxel is decided from these (box arithmetic where boxes overlap), not from a per-voxel array of starts
-            self.placed: list[tuple[Box, int]] = []
+            # the boxes placed so far (from the region's first voxel) and their tiles' (start, box): which tile
+            # wins a voxel is decided from these (box arithmetic where boxes overlap), not from a per-voxel array
+            self.placed: list[tuple[Box, tuple[int, Box]]] = []
         # the weighted parts not yet summed: where in the region, their weights (a view of the tile's), values,
         # and the windows whose outer product the weights are (for weighted.mean_into)
         self.parts: list[tuple[tuple[slice, ...], np.ndarray, np.ndarray, Windows]] = []
@@ -734,11 +735,13 @@ class TileWriter:
             region.seen.add(key)
             if self.blend == "none":
                 # the tile whose output box starts first wins, whatever the order: this part loses the
-                # voxels of the boxes placed before it that start no later, and is copied as the boxes
-                # that remain (plain strided copies; a mask made the copy element by element)
+                # voxels of the boxes placed before it that start earlier, and is copied as the boxes
+                # that remain (plain strided copies; a mask made the copy element by element). Padded tiles'
+                # boxes clipped to the array may start at one voxel: the earlier tile (its box) wins the tie
                 box = _shift(box, region.box)  # from the region's first voxel, as the boxes placed
-                lost = tuple(other for other, other_start in region.placed if other_start <= start)
-                region.placed.append((box, start))
+                first = (start, key)
+                lost = tuple(other for other, other_first in region.placed if other_first < first)
+                region.placed.append((box, first))
                 assert region.values is not None
                 # rounded as the weighted blends round a voxel one tile covers (astype alone truncates)
                 for into, at in _copies(box, lost):
