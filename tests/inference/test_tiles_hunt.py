@@ -50,3 +50,26 @@ def test_blend_none_ties_between_padded_tiles_do_not_depend_on_their_order(tmp_p
     np.testing.assert_array_equal(forward, backward)
     # the earliest tile covering each voxel wins: -2 (kept 0..3), then -1 (0..4), then 0 (0..5)
     np.testing.assert_array_equal(forward, [0, 0, 0, 10, 20])
+
+
+@pytest.mark.parametrize("blend", ["none", "hann"])
+def test_bfloat16_predictions_are_written_as_their_values(tmp_path, blend):
+    """A model run in bfloat16 (Config(dtype="bf16"), autocast) predicts bfloat16, which numpy has no type for:
+    the writer takes it as the float32 values it holds, as it takes float16."""
+    import torch
+
+    data = np.random.default_rng(1).random((6, 7)).astype("f4")
+    grid = stoker.TileGrid([_source(tmp_path, data)], (4, 4), stride=(2, 3))
+    tiles = _tiles(grid)
+
+    def predict(s):
+        return data[tuple(slice(a, b) for a, b in box_of(s))]
+
+    want = _write(str(tmp_path / "f32.zarr"), grid, tiles, lambda s: torch.from_numpy(predict(s)).bfloat16().float()
+                  .numpy(), data.shape, (3, 3), blend=blend)
+    writer = stoker.TileWriter(str(tmp_path / "bf16.zarr"), data.shape, (3, 3), "f4", blend=blend, grid=grid,
+                               write_threads=0)
+    for i in range(0, len(tiles), 3):
+        writer.write(tiles[i:i + 3], torch.stack([torch.from_numpy(predict(s)) for s in tiles[i:i + 3]]).bfloat16())
+    writer.close()
+    np.testing.assert_array_equal(zarr.open_array(str(tmp_path / "bf16.zarr"), mode="r")[:], want)

@@ -941,9 +941,15 @@ def _carve(buf: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def _numpy(x: Any) -> np.ndarray:
-    """A batch of predictions as a numpy array on the host."""
+    """A batch of predictions as a numpy array on the host; a float type numpy lacks (bfloat16, float8: a model
+    run in bfloat16 predicts it) as the float32 values it holds."""
     if hasattr(x, "detach"):
-        return x.detach().to("cpu").numpy()
+        import torch
+
+        x = x.detach().to("cpu")
+        if x.is_floating_point() and x.element_size() < 4 and x.dtype != torch.float16:
+            x = x.float()  # exact: float32 holds every bfloat16 and float8 value
+        return x.numpy()
     return np.asarray(x)
 
 
