@@ -73,3 +73,33 @@ def test_bfloat16_predictions_are_written_as_their_values(tmp_path, blend):
         writer.write(tiles[i:i + 3], torch.stack([torch.from_numpy(predict(s)) for s in tiles[i:i + 3]]).bfloat16())
     writer.close()
     np.testing.assert_array_equal(zarr.open_array(str(tmp_path / "bf16.zarr"), mode="r")[:], want)
+
+
+def _job(out, grid, data, scale, **kw):
+    """A whole job: the tiles still pending predicted (``scale`` times the input) and written."""
+    writer = stoker.TileWriter(out, data.shape, (3, 3), "f4", grid=grid, write_threads=0, **kw)
+    todo = writer.pending(grid)
+    for i in range(len(todo)):
+        s = todo.sample(0, i)
+        writer.write([s], data[tuple(slice(a, b) for a, b in box_of(s))][None] * scale)
+    writer.close()
+    return writer, zarr.open_array(out, mode="r")[:]
+
+
+def test_an_array_removed_to_start_over_is_written_again_whatever_its_old_record(tmp_path):
+    """The record beside an array vouches for regions of that array: once the array is removed (to start
+    over), a writer that makes it anew writes every region, not none (its old marks would leave the fill
+    value without a word)."""
+    import shutil
+
+    data = np.random.default_rng(2).random((6, 7)).astype("f4")
+    grid = stoker.TileGrid([_source(tmp_path, data)], (4, 4), stride=(2, 3))
+    out = str(tmp_path / "out.zarr")
+    _, first = _job(out, grid, data, 1.0)
+    np.testing.assert_array_equal(first, data)
+    shutil.rmtree(out)
+    writer, again = _job(out, grid, data, 2.0)
+    np.testing.assert_array_equal(again, 2 * data)
+    assert writer.written == 2 * 3
+    _, resumed = _job(out, grid, data, 3.0)  # the array is there: its regions are written, and skipped
+    np.testing.assert_array_equal(resumed, 2 * data)

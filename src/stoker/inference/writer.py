@@ -70,7 +70,7 @@ from .blend import (BLENDS, Box, coverage, intersect, local, output_box, region_
 from .buffers import SPARE, BufferPool
 from .chunks import ChunkWriter
 from .durable import DurableMarks
-from .record import CompletionRecord
+from .record import CompletionRecord, forget
 from .target import array_store, is_remote, writing
 from .weighted import mean_into
 
@@ -515,6 +515,8 @@ class TileWriter:
                 arr = zarr.open_array(store, mode="r+")
             except (FileNotFoundError, KeyError, zarr.errors.NodeNotFoundError):  # type: ignore[attr-defined]
                 fmt: Any = zarr_format  # zarr's stubs want Literal[2, 3]; zarr checks the value
+                # a record left beside a removed array vouches for none of the new one's regions
+                forget(self.uri, storage_options)
                 with writing(self.uri, "the array's metadata"):
                     arr = zarr.create_array(store, shape=self.shape, chunks=tuple(chunks),
                                             shards=None if shards is None else tuple(shards), dtype=dtype,
