@@ -103,3 +103,34 @@ def test_an_array_removed_to_start_over_is_written_again_whatever_its_old_record
     assert writer.written == 2 * 3
     _, resumed = _job(out, grid, data, 3.0)  # the array is there: its regions are written, and skipped
     np.testing.assert_array_equal(resumed, 2 * data)
+
+
+@pytest.mark.parametrize("pad, crop, hole", [(None, 2, "4..5"), ("zero", 2, "0..0"), (None, (3,), "3..8")])
+def test_a_crop_that_leaves_voxels_no_tile_writes_is_refused(tmp_path, pad, crop, hole):
+    """Tiles of 6 every 4 keep a centre of 6 - 2 * crop: with crop > (6 - 4) // 2 the centres no longer meet,
+    and the voxels between them would keep the fill value without a word. With grid= the writer knows,
+    and refuses before it makes anything (a smaller crop is then not refused as other settings)."""
+    data = np.arange(1, 13, dtype="f4")
+    grid = stoker.TileGrid([_source(tmp_path, data)], (6,), stride=(4,), pad=pad)
+    out = str(tmp_path / "out.zarr")
+    with pytest.raises(stoker.InvalidArgument, match=f"voxels {hole} of axis 0") as e:
+        stoker.TileWriter(out, data.shape, (12,), "f4", crop=crop, grid=grid)
+    assert e.value.knob == "crop" and "(sample_shape - stride) // 2 = (1,)" in str(e.value)
+    assert not (tmp_path / "out.zarr").exists()
+
+    def predict(s):
+        a, b = box_of(s)[0]
+        return np.pad(data, (6, 6))[a + 6:b + 6]
+
+    got = _write(out, grid, _tiles(grid), predict, data.shape, (12,), crop=1)  # the centres meet: all written
+    np.testing.assert_array_equal(got, data)
+
+
+def test_a_grid_with_gaps_of_its_own_is_not_refused(tmp_path):
+    """A stride past the tile leaves gaps on purpose (TileGrid's docstring): the writer does not refuse the
+    crop for voxels no tile covers."""
+    data = np.arange(1, 13, dtype="f4")
+    grid = stoker.TileGrid([_source(tmp_path, data)], (3,), stride=(5,))  # tiles at 0, 5 and 9 (the last shifted)
+    got = _write(str(tmp_path / "out.zarr"), grid, _tiles(grid), lambda s: data[slice(*box_of(s)[0])], data.shape,
+                 (12,), crop=0, fill_value=-1)
+    np.testing.assert_array_equal(got, np.where(np.isin(np.arange(12), [3, 4, 8]), -1, data))

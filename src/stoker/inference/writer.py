@@ -65,8 +65,8 @@ from ..errors import DtypeMismatch, InvalidArgument, RankFailed, StorageError
 from ..sampling.sample import Sample, box_of
 from ..sampling.samplers import SampleList, TileGrid
 from .background import BackgroundWriter
-from .blend import (BLENDS, Box, coverage, intersect, local, output_box, region_box, regions_of, subtract, weights,
-                    window)
+from .blend import (BLENDS, Box, coverage, holes, intersect, local, output_box, region_box, regions_of, subtract,
+                    weights, window)
 from .buffers import SPARE, BufferPool
 from .chunks import ChunkWriter
 from .durable import DurableMarks
@@ -478,7 +478,7 @@ class TileWriter:
     ``crop``: the margin dropped from every side of a prediction that is not on the array's border (an
     int, or one per spatial axis); from every side of a padded tile (``TileGrid(pad=...)``), what is left
     clipped to the array. ``grid``: the TileGrid the samples come from, to write regions as soon
-    as they are complete. ``rank``/``world_size``: from ``torch.distributed`` when not given; ``group``: the
+    as they are complete (a ``crop`` that would leave voxels its tiles cover unwritten is refused). ``rank``/``world_size``: from ``torch.distributed`` when not given; ``group``: the
     process group of the collectives. ``write_threads``, ``write_bytes``, ``write_timeout_s``: the
     background writes (the module docstring). An integer ``dtype`` takes float predictions rounded to the
     nearest, with every blend; a batch holding a value it cannot hold (NaN, infinity, out of its range) is
@@ -509,6 +509,10 @@ class TileWriter:
         self.grid = grid
         self._ndim = len(grid.sample_shape) if grid is not None else None
         self._crop_arg = crop
+        self._tiles: set[Box] | None = None  # with grid=: the boxes of its tiles
+        if grid is not None:  # refused before anything is made (the record would keep the crop)
+            self._tiles = {box_of(grid.sample(0, i)) for i in range(len(grid))}
+            _refuse_holes(grid, self._tiles, _crops(crop, len(grid.sample_shape)), self.shape)
         store = array_store(self.uri, storage_options)  # a path, or zarr's ObjectStore over obstore
         if self.rank == 0:
             try:
@@ -553,7 +557,6 @@ class TileWriter:
         self._open: dict[tuple[int, ...], _Region] = {}
         self._expected: dict[tuple[int, ...], int] | None = None
         self._boxes: dict[tuple[int, ...], list[Box]] = {}  # with grid=: each owned region's parts' boxes
-        self._tiles: set[Box] | None = None  # with grid=: the boxes of its tiles
         self._weights: dict[tuple[int, ...], np.ndarray] = {}
         self._windows: dict[int, np.ndarray] = {}  # a tile axis's length -> its window (blend.window)
         self._scratch = np.empty(0, dtype=np.float64)  # the blend's products, reused (the caller's thread only)
@@ -584,16 +587,11 @@ class TileWriter:
         self.channels = self.shape[:-ndim]
         self.unit = self.unit_full[-ndim:]
         self.regions_shape = tuple(-(-s // u) for s, u in zip(self.spatial, self.unit))
-        c = self._crop_arg
-        self.crop = (0,) * ndim if c is None else (int(c),) * ndim if isinstance(c, (int, np.integer)) \
-            else tuple(int(x) for x in c)
-        if len(self.crop) != ndim or min(self.crop) < 0:
-            raise InvalidArgument(f"TileWriter(crop={c!r}): one non-negative margin, or one per spatial axis",
-                                  knob="crop")
+        self.crop = _crops(self._crop_arg, ndim)
         if self.grid is not None:
             self._expected = {}
-            # the grid's tiles: a prediction for another box is refused before it changes anything (write())
-            self._tiles = {box_of(self.grid.sample(0, i)) for i in range(len(self.grid))}
+            # the grid's tiles (a prediction for another box is refused before it changes anything: write())
+            assert self._tiles is not None
             for tile in self._tiles:
                 out = self._out(tile, self.grid.pad is not None)
                 for r in regions_of(out, self.unit):
@@ -878,6 +876,42 @@ class TileWriter:
                 pass
             finally:
                 self._marks.stop()
+
+
+def _crops(crop: Any, ndim: int) -> tuple[int, ...]:
+    """``TileWriter(crop=...)`` as a margin per spatial axis."""
+    crops = (0,) * ndim if crop is None else (int(crop),) * ndim if isinstance(crop, (int, np.integer)) \
+        else tuple(int(x) for x in crop)
+    if len(crops) != ndim or min(crops) < 0:
+        raise InvalidArgument(f"TileWriter(crop={crop!r}): one non-negative margin, or one per spatial axis",
+                              knob="crop")
+    return crops
+
+
+def _refuse_holes(grid: TileGrid, tiles: set[Box], crop: tuple[int, ...], shape: tuple[int, ...]) -> None:
+    """InvalidArgument where ``crop`` leaves voxels that the grid's ``tiles`` cover but none of their kept boxes
+    does: written as the fill value without a word (a centre of ``tile - 2 * crop`` shorter than the stride). A
+    grid's tiles are the product of each axis's, so the axes are checked apart; voxels no tile covers (a stride
+    past the tile leaves gaps on purpose) are not the crop's doing."""
+    ndim = len(crop)
+    spatial = shape[-ndim:]
+    if len(shape) not in (ndim, ndim + 1):
+        return  # refused with its own message by _setup
+    padded = grid.pad is not None
+    for k, n in enumerate(spatial):
+        along = {tile[k] for tile in tiles}
+        kept = [output_box((t,), (crop[k],), (n,), padded)[0] for t in along]
+        found = holes(list(along), kept, n)
+        if found:
+            a, b = found[0]
+            sample = getattr(grid, "sample_shape", None)
+            most = "" if sample is None else \
+                f" = {tuple(max((c - s) // 2, 0) for c, s in zip(sample, grid.stride))}"
+            raise InvalidArgument(
+                f"TileWriter(crop={crop}): the grid's tiles cropped by it leave voxels {a}..{b - 1} of axis {k} "
+                f"(and {sum(y - x for x, y in found) - (b - a)} more on it) unwritten, which the tiles cover: they "
+                f"would keep the fill value. Use a crop of at most (sample_shape - stride) // 2{most} on each axis",
+                knob="crop")
 
 
 def _place(dst: np.ndarray, src: np.ndarray) -> None:
