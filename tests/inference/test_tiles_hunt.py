@@ -134,3 +134,14 @@ def test_a_grid_with_gaps_of_its_own_is_not_refused(tmp_path):
     got = _write(str(tmp_path / "out.zarr"), grid, _tiles(grid), lambda s: data[slice(*box_of(s)[0])], data.shape,
                  (12,), crop=0, fill_value=-1)
     np.testing.assert_array_equal(got, np.where(np.isin(np.arange(12), [3, 4, 8]), -1, data))
+
+
+def test_several_ranks_without_their_process_group_are_refused(tmp_path):
+    """A region's parts from other ranks reach its owner through the process group's all_gather: a
+    world_size given without a group of that many ranks would drop them, and each rank would write its regions
+    with only its own tiles (18 of 42 voxels wrong here before). Refused before anything is made."""
+    with pytest.raises(stoker.InvalidArgument, match="world_size=2") as e:
+        stoker.TileWriter(str(tmp_path / "out.zarr"), (6, 7), (3, 3), "f4", rank=0, world_size=2)
+    assert e.value.knob == "world_size"
+    assert not (tmp_path / "out.zarr").exists()
+    stoker.TileWriter(str(tmp_path / "out.zarr"), (6, 7), (3, 3), "f4", rank=0, world_size=1).close()

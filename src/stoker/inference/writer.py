@@ -60,7 +60,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..dist.collectives import active_group, all_gather_object, barrier, resolve_rank
+from ..dist.collectives import active_group, all_gather_object, barrier, group_position, resolve_rank
 from ..errors import DtypeMismatch, InvalidArgument, RankFailed, StorageError
 from ..sampling.sample import Sample, box_of
 from ..sampling.samplers import SampleList, TileGrid
@@ -478,8 +478,8 @@ class TileWriter:
     ``crop``: the margin dropped from every side of a prediction that is not on the array's border (an
     int, or one per spatial axis); from every side of a padded tile (``TileGrid(pad=...)``), what is left
     clipped to the array. ``grid``: the TileGrid the samples come from, to write regions as soon
-    as they are complete (a ``crop`` that would leave voxels its tiles cover unwritten is refused). ``rank``/``world_size``: from ``torch.distributed`` when not given; ``group``: the
-    process group of the collectives. ``write_threads``, ``write_bytes``, ``write_timeout_s``: the
+    as they are complete (a ``crop`` that would leave voxels its tiles cover unwritten is refused). ``rank``/``world_size``: from ``torch.distributed`` (``group``'s) when not given, and
+    refused when they are not this process's place in it; ``group``: the process group of the collectives. ``write_threads``, ``write_bytes``, ``write_timeout_s``: the
     background writes (the module docstring). An integer ``dtype`` takes float predictions rounded to the
     nearest, with every blend; a batch holding a value it cannot hold (NaN, infinity, out of its range) is
     refused whole (:class:`~stoker.errors.DtypeMismatch`), never written wrapped.
@@ -500,7 +500,19 @@ class TileWriter:
                                   f"write_timeout_s={write_timeout_s}): threads and bytes >= 0, a timeout > 0",
                                   knob="write_threads")
         self.uri, self.blend, self.group = str(uri), blend, group
+        position = group_position(group)  # (0, 1) without a process group of several ranks
+        if position[1] > 1:  # those not given: the group's (a subgroup's, not the default group's)
+            rank = position[0] if rank is None else rank
+            world_size = position[1] if world_size is None else world_size
         self.rank, self.world_size = resolve_rank(rank, world_size)
+        if self.world_size > 1 and (self.rank, self.world_size) != position:
+            # the parts of a region reach its owner only through the group's all_gather: without it, each rank
+            # would write its regions with its own tiles alone
+            raise InvalidArgument(f"TileWriter(rank={self.rank}, world_size={self.world_size}): this process is "
+                                  f"rank {position[0]} of {position[1]} in the process group (1 without one), "
+                                  "which hands each region's parts to its owner: initialise torch.distributed "
+                                  "with these ranks (or give group=), and leave rank and world_size out to take "
+                                  "them from it", knob="world_size")
         self.shape = tuple(int(s) for s in shape)
         if grid is not None and len(grid.arrays) != 1:
             raise InvalidArgument(f"TileWriter(grid=...) takes a grid over one array (or one group of channels); "
