@@ -145,3 +145,33 @@ def test_several_ranks_without_their_process_group_are_refused(tmp_path):
     assert e.value.knob == "world_size"
     assert not (tmp_path / "out.zarr").exists()
     stoker.TileWriter(str(tmp_path / "out.zarr"), (6, 7), (3, 3), "f4", rank=0, world_size=1).close()
+
+
+@pytest.mark.parametrize("blend", ["none", "hann"])
+@pytest.mark.parametrize("threads", [0, 2])
+def test_regions_closed_without_all_their_tiles_are_written_but_not_marked(tmp_path, blend, threads):
+    """close() in a finally block after an interrupted loop writes the regions still open, some without all
+    their tiles: marked, a restart would skip them and keep them wrong (here 6 of 42 voxels at the fill
+    value). With grid= the writer knows which are incomplete, and leaves them to the restart."""
+    data = np.random.default_rng(4).random((6, 7)).astype("f4") + 1
+    grid = stoker.TileGrid([_source(tmp_path, data)], (4, 4), stride=(2, 3))
+    out = str(tmp_path / "out.zarr")
+
+    def run(stop=None):
+        writer = stoker.TileWriter(out, data.shape, (3, 3), "f4", blend=blend, grid=grid, write_threads=threads)
+        todo = writer.pending(grid)
+        try:
+            for i in range(len(todo) if stop is None else stop):
+                s = todo.sample(0, i)
+                writer.write([s], data[tuple(slice(a, b) for a, b in box_of(s))][None])
+        finally:
+            writer.close()
+        return writer
+
+    first = run(stop=3)  # interrupted after 3 of the 4 tiles
+    written = zarr.open_array(out, mode="r")[:]
+    assert (written == 0).any() and (written == data).any()  # the incomplete regions were written as they are
+    assert first.done == first.record.done() and len(first.done) < 2 * 3
+    restarted = run()
+    assert restarted.written == 2 * 3 - len(first.done)
+    np.testing.assert_allclose(zarr.open_array(out, mode="r")[:], data, rtol=2e-7, atol=0)

@@ -795,12 +795,15 @@ class TileWriter:
     def _flush(self, r: tuple[int, ...]) -> None:
         region = self._open.pop(r)
         self._handed.add(r)  # no later part opens it again; `done` and the record take it once it is written
+        # with grid=, a region closed before all its tiles came (close() after an interrupted loop) is written as
+        # it is but not marked: a restart writes it again with every tile, rather than skip it
+        whole = self._expected is None or len(region.seen) >= self._expected.get(r, 0)
         if self._background is None:
-            self._finish(r, region)
+            self._finish(r, region, whole)
         else:  # the blend's last step and the write run on the background threads
-            self._background.submit(f"region {r}", region.nbytes, lambda: self._finish(r, region))
+            self._background.submit(f"region {r}", region.nbytes, lambda: self._finish(r, region, whole))
 
-    def _finish(self, r: tuple[int, ...], region: _Region) -> None:
+    def _finish(self, r: tuple[int, ...], region: _Region, whole: bool = True) -> None:
         fill = self._fill
         if self.blend == "none":
             assert region.values is not None
@@ -825,7 +828,8 @@ class TileWriter:
             self._chunks.write(where, out)
         for buf in spent:  # zarr-python is done with them: the next regions' accumulators
             self._pool.give(buf)
-        self._marks.add(r, self._chunks.files(where))  # marked once its files are on the disk
+        if whole:
+            self._marks.add(r, self._chunks.files(where))  # marked once its files are on the disk
 
     def _marked(self, r: tuple[int, ...]) -> None:
         """Region ``r`` is written and marked, its chunks and its mark on the disk (the sync thread)."""
@@ -835,7 +839,8 @@ class TileWriter:
 
     def close(self) -> None:
         """Write the regions still open (those without all their tiles, or all without ``grid=``); on every
-        rank (it waits for the others)."""
+        rank (it waits for the others). With ``grid=``, a region written without all its tiles (a loop cut
+        short) is not marked done: a restarted writer writes it again."""
         if self._closed:
             return
         self._closed = True
