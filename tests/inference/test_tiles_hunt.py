@@ -175,3 +175,16 @@ def test_regions_closed_without_all_their_tiles_are_written_but_not_marked(tmp_p
     restarted = run()
     assert restarted.written == 2 * 3 - len(first.done)
     np.testing.assert_allclose(zarr.open_array(out, mode="r")[:], data, rtol=2e-7, atol=0)
+
+
+def test_a_grid_over_fields_is_a_typed_refusal(tmp_path):
+    """grid= takes a grid over arrays (its tiles are the predictions' boxes); one over fields has a box per field,
+    and was an AttributeError."""
+    data = np.zeros((8, 8), "f4")
+    raw, labels = _source(tmp_path, data), str(tmp_path / "labels.zarr")
+    zarr.create_array(labels, shape=(8, 8), chunks=(8, 8), dtype="u1")
+    grid = stoker.TileGrid({"raw": stoker.Field(raw, (6, 6)), "labels": stoker.Field(labels, (4, 4), offset=(1, 1))},
+                           stride=(4, 4))
+    with pytest.raises(stoker.InvalidArgument, match="over fields") as e:
+        stoker.TileWriter(str(tmp_path / "out.zarr"), (8, 8), (4, 4), "f4", grid=grid)
+    assert e.value.knob == "grid" and not (tmp_path / "out.zarr").exists()

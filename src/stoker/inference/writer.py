@@ -514,6 +514,10 @@ class TileWriter:
                                   "with these ranks (or give group=), and leave rank and world_size out to take "
                                   "them from it", knob="world_size")
         self.shape = tuple(int(s) for s in shape)
+        if grid is not None and getattr(grid, "volumes", None) is not None:
+            raise InvalidArgument("TileWriter(grid=...) takes a TileGrid over arrays, whose tiles are the predictions' "
+                                  "boxes; this one is over fields (a box each): leave grid= out and write the samples "
+                                  "of the field predicted ([s[name] for s in samples])", knob="grid")
         if grid is not None and len(grid.arrays) != 1:
             raise InvalidArgument(f"TileWriter(grid=...) takes a grid over one array (or one group of channels); "
                                   f"this one has {len(grid.arrays)}: make a grid and a writer per array",
