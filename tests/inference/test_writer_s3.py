@@ -141,7 +141,9 @@ def test_object_store_arguments_are_checked(tmp_path, s3):
 
 
 def test_a_failed_write_is_a_storage_error_naming_the_array(s3):
-    with pytest.raises(stoker.StorageError, match=r"s3://no-such-bucket/out.zarr: writing the array's metadata"):
+    # the first request: listing a record left beside the array (forgotten before the array is made)
+    with pytest.raises(stoker.StorageError, match=r"s3://no-such-bucket/out.zarr(\.tiles-done: listing|: writing "
+                                                  r"the array's metadata)"):
         stoker.TileWriter("s3://no-such-bucket/out.zarr", SHAPE, (4, 8, 8), "f4",
                           storage_options={**s3.options, "retries": 0})
 
@@ -165,3 +167,21 @@ def test_marks_on_an_object_store_are_put_by_the_write_threads(volume, s3, monke
     assert len(_marks(s3, out)) == REGIONS and len(threads) == REGIONS
     assert writer._marks.threads == []
     assert all(name.startswith("stoker-tilewriter_") for name in threads), set(threads)
+
+
+def test_a_record_left_beside_a_removed_array_is_forgotten_when_it_is_made_anew(s3):
+    """Marks left on the bucket by a removed array (its objects deleted, not its record's) vouch for none of
+    the new array's regions: a writer that makes the array removes them, so none of its regions is skipped."""
+    from stoker.inference.record import CompletionRecord
+
+    out = _uri("made-anew.zarr")
+    old = CompletionRecord(out, s3.options)
+    old.check_settings({"shape": [4, 4], "unit": [2, 2], "dtype": "float32", "blend": "none", "crop": None})
+    old.mark((0, 1))
+    assert _marks(s3, out) == ["0_1.json"]
+    writer = stoker.TileWriter(out, (4, 4), (2, 2), "f4", storage_options=s3.options, write_threads=0)
+    assert writer.done == set() and _marks(s3, out) == []
+    writer.write([stoker.Sample("unused.zarr", [(0, 4), (0, 4)])], np.full((1, 4, 4), 5, "f4"))
+    writer.close()
+    np.testing.assert_array_equal(_read(s3, out)[:], np.full((4, 4), 5, "f4"))
+    assert len(_marks(s3, out)) == 4

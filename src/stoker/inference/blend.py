@@ -112,6 +112,28 @@ def coverage(boxes: Sequence[Box]) -> tuple[list[tuple[int, Box]], list[Box]]:
     return once, several
 
 
+def holes(tiles: Sequence[tuple[int, int]], kept: Sequence[tuple[int, int]], n: int) -> list[tuple[int, int]]:
+    """The voxels ``0 .. n - 1`` of one axis that some interval of ``tiles`` covers and none of ``kept`` does, as
+    disjoint intervals in order: where tiles cropped to their kept boxes leave voxels no tile writes.
+
+    >>> holes([(0, 6), (4, 10), (6, 12)], [(0, 4), (6, 8), (8, 12)], 12)
+    [(4, 6)]
+    """
+    def union(intervals: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+        merged: list[tuple[int, int]] = []
+        for a, b in sorted((max(a, 0), min(b, n)) for a, b in intervals):
+            if b <= a:
+                continue
+            if merged and a <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+            else:
+                merged.append((a, b))
+        return merged
+
+    written = union(kept)
+    return [piece[0] for t in union(tiles) for piece in subtract((t,), [(k,) for k in written])]
+
+
 def local(box: Box, origin: Box) -> tuple[slice, ...]:
     """``box`` as slices relative to ``origin``'s start."""
     return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(box, origin))

@@ -12,7 +12,8 @@ regions that were written whole. In ``<array>.tiles-done/``:
 
 A TileWriter marks a region only once its chunk files are on the disk, and makes the marks durable a group
 at a time (:mod:`.durable`: its chunks fsynced, then the marks appended, then :meth:`CompletionRecord.flush`,
-one fsync of the log for the group); :meth:`CompletionRecord.sync` flushes the log and the folder once more
+one fsync of the log for the group); a writer that makes the array anew first removes a record left
+beside a removed one (:func:`forget`); :meth:`CompletionRecord.sync` flushes the log and the folder once more
 and closes the log, at the writer's close. ``writer.json`` there holds the settings the record is valid for.
 
 >>> rec = CompletionRecord("/out/pred.zarr")
@@ -198,6 +199,35 @@ class CompletionRecord:
             return None
         saved = json.loads(blob)
         return tuple(-(-int(s) // int(u)) for s, u in zip(saved["shape"], saved["unit"]))
+
+
+def forget(uri: str, storage_options: dict | None = None) -> None:
+    """Remove the completion record beside the array at ``uri``, if there is one: every mark and the settings.
+    For a writer about to make the array anew: the record vouched for regions of an array that is gone, and
+    its marks would have the new array's regions skipped, left at the fill value without a word.
+
+    >>> forget("/out/pred.zarr")   # doctest: +SKIP
+    """
+    uri = uri.rstrip("/")
+    if is_remote(uri):
+        store = remote_store(uri + SUFFIX, storage_options)
+        try:
+            names = store.list()
+            if names:
+                import obstore
+
+                obstore.delete(store.writable_obstore(), names)
+        finally:
+            store.close()
+        return
+    path = local_path(uri) + SUFFIX
+    if not os.path.isdir(path):
+        return
+    for name in os.listdir(path):
+        stem, ext = os.path.splitext(name)
+        if ext == ".json" or (name.startswith(LOG_PREFIX) and ext == LOG_SUFFIX):
+            (Path(path) / name).unlink(missing_ok=True)
+    fsync_dir(path)  # gone from the disk before the array is made: a crash leaves no stale mark over it
 
 
 def _index(stem: str, grid: tuple[int, ...] | None = None) -> tuple[int, ...] | None:

@@ -16,7 +16,8 @@ How the work is split (see docs/inference.md):
   equal shares of a grid make them do): each rank cuts its predictions into the parts each region needs,
   and one ``all_gather_object`` hands every rank the parts of the regions it owns.
 - A rank keeps what each region it owns has received until the region is finished: the value of the earliest tile
-  covering each voxel (``none``: the tile whose output box starts first, so the result is independent of order;
+  covering each voxel (``none``: the tile whose output box starts first, ties broken by the tile's box, so the
+  result is independent of order;
   rounded to the nearest for an integer output, as the weighted blends round), or the parts themselves
   (``linear``, ``hann``: copies, blended on a write thread when the region is finished: a voxel one part covers
   is that part's value, and only where parts overlap are weights multiplied and summed, in float64; folded into
@@ -59,17 +60,17 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..dist.collectives import active_group, all_gather_object, barrier, resolve_rank
+from ..dist.collectives import active_group, all_gather_object, barrier, group_position, resolve_rank
 from ..errors import DtypeMismatch, InvalidArgument, RankFailed, StorageError
 from ..sampling.sample import Sample, box_of
 from ..sampling.samplers import SampleList, TileGrid
 from .background import BackgroundWriter
-from .blend import (BLENDS, Box, coverage, intersect, local, output_box, region_box, regions_of, subtract, weights,
-                    window)
+from .blend import (BLENDS, Box, coverage, holes, intersect, local, output_box, region_box, regions_of, subtract,
+                    weights, window)
 from .buffers import SPARE, BufferPool
 from .chunks import ChunkWriter
 from .durable import DurableMarks
-from .record import CompletionRecord
+from .record import CompletionRecord, forget
 from .target import array_store, is_remote, writing
 from .weighted import mean_into
 
@@ -177,9 +178,9 @@ class _Region:
         if blend == "none":
             # not zeroed: every voxel is written, by a part or (no part reached it) at the region's finish
             self.values = pool.take(self.full, dtype, zero=False)
-            # the boxes placed so far (from the region's first voxel) and their tiles' starts: which tile wins a
-            # voxel is decided from these (box arithmetic where boxes overlap), not from a per-voxel array of starts
-            self.placed: list[tuple[Box, int]] = []
+            # the boxes placed so far (from the region's first voxel) and their tiles' (start, box): which tile
+            # wins a voxel is decided from these (box arithmetic where boxes overlap), not from a per-voxel array
+            self.placed: list[tuple[Box, tuple[int, Box]]] = []
         # the weighted parts not yet summed: where in the region, their weights (a view of the tile's), values,
         # and the windows whose outer product the weights are (for weighted.mean_into)
         self.parts: list[tuple[tuple[slice, ...], np.ndarray, np.ndarray, Windows]] = []
@@ -477,8 +478,8 @@ class TileWriter:
     ``crop``: the margin dropped from every side of a prediction that is not on the array's border (an
     int, or one per spatial axis); from every side of a padded tile (``TileGrid(pad=...)``), what is left
     clipped to the array. ``grid``: the TileGrid the samples come from, to write regions as soon
-    as they are complete. ``rank``/``world_size``: from ``torch.distributed`` when not given; ``group``: the
-    process group of the collectives. ``write_threads``, ``write_bytes``, ``write_timeout_s``: the
+    as they are complete (a ``crop`` that would leave voxels its tiles cover unwritten is refused). ``rank``/``world_size``: from ``torch.distributed`` (``group``'s) when not given, and
+    refused when they are not this process's place in it; ``group``: the process group of the collectives. ``write_threads``, ``write_bytes``, ``write_timeout_s``: the
     background writes (the module docstring). An integer ``dtype`` takes float predictions rounded to the
     nearest, with every blend; a batch holding a value it cannot hold (NaN, infinity, out of its range) is
     refused whole (:class:`~stoker.errors.DtypeMismatch`), never written wrapped.
@@ -499,8 +500,24 @@ class TileWriter:
                                   f"write_timeout_s={write_timeout_s}): threads and bytes >= 0, a timeout > 0",
                                   knob="write_threads")
         self.uri, self.blend, self.group = str(uri), blend, group
+        position = group_position(group)  # (0, 1) without a process group of several ranks
+        if position[1] > 1:  # those not given: the group's (a subgroup's, not the default group's)
+            rank = position[0] if rank is None else rank
+            world_size = position[1] if world_size is None else world_size
         self.rank, self.world_size = resolve_rank(rank, world_size)
+        if self.world_size > 1 and (self.rank, self.world_size) != position:
+            # the parts of a region reach its owner only through the group's all_gather: without it, each rank
+            # would write its regions with its own tiles alone
+            raise InvalidArgument(f"TileWriter(rank={self.rank}, world_size={self.world_size}): this process is "
+                                  f"rank {position[0]} of {position[1]} in the process group (1 without one), "
+                                  "which hands each region's parts to its owner: initialise torch.distributed "
+                                  "with these ranks (or give group=), and leave rank and world_size out to take "
+                                  "them from it", knob="world_size")
         self.shape = tuple(int(s) for s in shape)
+        if grid is not None and getattr(grid, "volumes", None) is not None:
+            raise InvalidArgument("TileWriter(grid=...) takes a TileGrid over arrays, whose tiles are the predictions' "
+                                  "boxes; this one is over fields (a box each): leave grid= out and write the samples "
+                                  "of the field predicted ([s[name] for s in samples])", knob="grid")
         if grid is not None and len(grid.arrays) != 1:
             raise InvalidArgument(f"TileWriter(grid=...) takes a grid over one array (or one group of channels); "
                                   f"this one has {len(grid.arrays)}: make a grid and a writer per array",
@@ -508,12 +525,18 @@ class TileWriter:
         self.grid = grid
         self._ndim = len(grid.sample_shape) if grid is not None else None
         self._crop_arg = crop
+        self._tiles: set[Box] | None = None  # with grid=: the boxes of its tiles
+        if grid is not None:  # refused before anything is made (the record would keep the crop)
+            self._tiles = {box_of(grid.sample(0, i)) for i in range(len(grid))}
+            _refuse_holes(grid, self._tiles, _crops(crop, len(grid.sample_shape)), self.shape)
         store = array_store(self.uri, storage_options)  # a path, or zarr's ObjectStore over obstore
         if self.rank == 0:
             try:
                 arr = zarr.open_array(store, mode="r+")
             except (FileNotFoundError, KeyError, zarr.errors.NodeNotFoundError):  # type: ignore[attr-defined]
                 fmt: Any = zarr_format  # zarr's stubs want Literal[2, 3]; zarr checks the value
+                # a record left beside a removed array vouches for none of the new one's regions
+                forget(self.uri, storage_options)
                 with writing(self.uri, "the array's metadata"):
                     arr = zarr.create_array(store, shape=self.shape, chunks=tuple(chunks),
                                             shards=None if shards is None else tuple(shards), dtype=dtype,
@@ -550,7 +573,6 @@ class TileWriter:
         self._open: dict[tuple[int, ...], _Region] = {}
         self._expected: dict[tuple[int, ...], int] | None = None
         self._boxes: dict[tuple[int, ...], list[Box]] = {}  # with grid=: each owned region's parts' boxes
-        self._tiles: set[Box] | None = None  # with grid=: the boxes of its tiles
         self._weights: dict[tuple[int, ...], np.ndarray] = {}
         self._windows: dict[int, np.ndarray] = {}  # a tile axis's length -> its window (blend.window)
         self._scratch = np.empty(0, dtype=np.float64)  # the blend's products, reused (the caller's thread only)
@@ -581,16 +603,11 @@ class TileWriter:
         self.channels = self.shape[:-ndim]
         self.unit = self.unit_full[-ndim:]
         self.regions_shape = tuple(-(-s // u) for s, u in zip(self.spatial, self.unit))
-        c = self._crop_arg
-        self.crop = (0,) * ndim if c is None else (int(c),) * ndim if isinstance(c, (int, np.integer)) \
-            else tuple(int(x) for x in c)
-        if len(self.crop) != ndim or min(self.crop) < 0:
-            raise InvalidArgument(f"TileWriter(crop={c!r}): one non-negative margin, or one per spatial axis",
-                                  knob="crop")
+        self.crop = _crops(self._crop_arg, ndim)
         if self.grid is not None:
             self._expected = {}
-            # the grid's tiles: a prediction for another box is refused before it changes anything (write())
-            self._tiles = {box_of(self.grid.sample(0, i)) for i in range(len(self.grid))}
+            # the grid's tiles (a prediction for another box is refused before it changes anything: write())
+            assert self._tiles is not None
             for tile in self._tiles:
                 out = self._out(tile, self.grid.pad is not None)
                 for r in regions_of(out, self.unit):
@@ -734,11 +751,13 @@ class TileWriter:
             region.seen.add(key)
             if self.blend == "none":
                 # the tile whose output box starts first wins, whatever the order: this part loses the
-                # voxels of the boxes placed before it that start no later, and is copied as the boxes
-                # that remain (plain strided copies; a mask made the copy element by element)
+                # voxels of the boxes placed before it that start earlier, and is copied as the boxes
+                # that remain (plain strided copies; a mask made the copy element by element). Padded tiles'
+                # boxes clipped to the array may start at one voxel: the earlier tile (its box) wins the tie
                 box = _shift(box, region.box)  # from the region's first voxel, as the boxes placed
-                lost = tuple(other for other, other_start in region.placed if other_start <= start)
-                region.placed.append((box, start))
+                first = (start, key)
+                lost = tuple(other for other, other_first in region.placed if other_first < first)
+                region.placed.append((box, first))
                 assert region.values is not None
                 # rounded as the weighted blends round a voxel one tile covers (astype alone truncates)
                 for into, at in _copies(box, lost):
@@ -780,12 +799,15 @@ class TileWriter:
     def _flush(self, r: tuple[int, ...]) -> None:
         region = self._open.pop(r)
         self._handed.add(r)  # no later part opens it again; `done` and the record take it once it is written
+        # with grid=, a region closed before all its tiles came (close() after an interrupted loop) is written as
+        # it is but not marked: a restart writes it again with every tile, rather than skip it
+        whole = self._expected is None or len(region.seen) >= self._expected.get(r, 0)
         if self._background is None:
-            self._finish(r, region)
+            self._finish(r, region, whole)
         else:  # the blend's last step and the write run on the background threads
-            self._background.submit(f"region {r}", region.nbytes, lambda: self._finish(r, region))
+            self._background.submit(f"region {r}", region.nbytes, lambda: self._finish(r, region, whole))
 
-    def _finish(self, r: tuple[int, ...], region: _Region) -> None:
+    def _finish(self, r: tuple[int, ...], region: _Region, whole: bool = True) -> None:
         fill = self._fill
         if self.blend == "none":
             assert region.values is not None
@@ -810,7 +832,8 @@ class TileWriter:
             self._chunks.write(where, out)
         for buf in spent:  # zarr-python is done with them: the next regions' accumulators
             self._pool.give(buf)
-        self._marks.add(r, self._chunks.files(where))  # marked once its files are on the disk
+        if whole:
+            self._marks.add(r, self._chunks.files(where))  # marked once its files are on the disk
 
     def _marked(self, r: tuple[int, ...]) -> None:
         """Region ``r`` is written and marked, its chunks and its mark on the disk (the sync thread)."""
@@ -820,7 +843,8 @@ class TileWriter:
 
     def close(self) -> None:
         """Write the regions still open (those without all their tiles, or all without ``grid=``); on every
-        rank (it waits for the others)."""
+        rank (it waits for the others). With ``grid=``, a region written without all its tiles (a loop cut
+        short) is not marked done: a restarted writer writes it again."""
         if self._closed:
             return
         self._closed = True
@@ -873,6 +897,42 @@ class TileWriter:
                 pass
             finally:
                 self._marks.stop()
+
+
+def _crops(crop: Any, ndim: int) -> tuple[int, ...]:
+    """``TileWriter(crop=...)`` as a margin per spatial axis."""
+    crops = (0,) * ndim if crop is None else (int(crop),) * ndim if isinstance(crop, (int, np.integer)) \
+        else tuple(int(x) for x in crop)
+    if len(crops) != ndim or min(crops) < 0:
+        raise InvalidArgument(f"TileWriter(crop={crop!r}): one non-negative margin, or one per spatial axis",
+                              knob="crop")
+    return crops
+
+
+def _refuse_holes(grid: TileGrid, tiles: set[Box], crop: tuple[int, ...], shape: tuple[int, ...]) -> None:
+    """InvalidArgument where ``crop`` leaves voxels that the grid's ``tiles`` cover but none of their kept boxes
+    does: written as the fill value without a word (a centre of ``tile - 2 * crop`` shorter than the stride). A
+    grid's tiles are the product of each axis's, so the axes are checked apart; voxels no tile covers (a stride
+    past the tile leaves gaps on purpose) are not the crop's doing."""
+    ndim = len(crop)
+    spatial = shape[-ndim:]
+    if len(shape) not in (ndim, ndim + 1):
+        return  # refused with its own message by _setup
+    padded = grid.pad is not None
+    for k, n in enumerate(spatial):
+        along = {tile[k] for tile in tiles}
+        kept = [output_box((t,), (crop[k],), (n,), padded)[0] for t in along]
+        found = holes(list(along), kept, n)
+        if found:
+            a, b = found[0]
+            sample = getattr(grid, "sample_shape", None)
+            most = "" if sample is None else \
+                f" = {tuple(max((c - s) // 2, 0) for c, s in zip(sample, grid.stride))}"
+            raise InvalidArgument(
+                f"TileWriter(crop={crop}): the grid's tiles cropped by it leave voxels {a}..{b - 1} of axis {k} "
+                f"(and {sum(y - x for x, y in found) - (b - a)} more on it) unwritten, which the tiles cover: they "
+                f"would keep the fill value. Use a crop of at most (sample_shape - stride) // 2{most} on each axis",
+                knob="crop")
 
 
 def _place(dst: np.ndarray, src: np.ndarray) -> None:
@@ -938,9 +998,15 @@ def _carve(buf: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def _numpy(x: Any) -> np.ndarray:
-    """A batch of predictions as a numpy array on the host."""
+    """A batch of predictions as a numpy array on the host; a float type numpy lacks (bfloat16, float8: a model
+    run in bfloat16 predicts it) as the float32 values it holds."""
     if hasattr(x, "detach"):
-        return x.detach().to("cpu").numpy()
+        import torch
+
+        x = x.detach().to("cpu")
+        if x.is_floating_point() and x.element_size() < 4 and x.dtype != torch.float16:
+            x = x.float()  # exact: float32 holds every bfloat16 and float8 value
+        return x.numpy()
     return np.asarray(x)
 
 
