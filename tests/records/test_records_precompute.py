@@ -209,6 +209,11 @@ def test_a_record_rewritten_at_another_size_is_computed_again(data):
     assert torch.equal(got, brute_knn(torch.from_numpy(remeshed), K))
     assert pre.stored_inputs(os.path.join(root, "rec_003.zarr"), "knn") == \
         {"points": [[20, 3], "<f4"], "rid": [[1], "<i8"]}
+    # Opened with other fields (one left out): nothing changed, nothing computed
+    for fields in (["points"], ["rid"]):
+        again = Counter()
+        res = precompute(ZarrRecords(root, fields=fields), "knn", again, params={"k": K})
+        assert again.seen == [] and (res.written, res.skipped) == (0, N_RECORDS), fields
 
 
 def test_only_records_without_a_matching_array_are_computed(data):

@@ -20,7 +20,8 @@ same fingerprint is skipped, any other (or none) is recomputed. Beside it the
 attributes record the stored shape and dtype of each of the dataset's other fields
 in that record (``inputs``, from the catalog: no read), and a record whose fields
 no longer have them (rewritten: a remeshed sample's N nodes against a k-NN table of
-N_old rows) is recomputed too. Neither can see a changed ``fn``, nor values
+N_old rows) is recomputed too; fields only one of the two datasets names are not
+compared (opening it with other ``fields=`` recomputes nothing). Neither can see a changed ``fn``, nor values
 rewritten at the same shapes: put a version in ``params``.
 
 **Atomic.** The array is written to a hidden sibling directory
@@ -144,6 +145,16 @@ def record_inputs(info: Any, name: str) -> dict[str, list]:
     """``{field: [stored shape, dtype]}`` of a record's fields (``info``: its ``ZarrRecords.metadata``) but
     ``name``, as JSON data: what an array precomputed from them was computed from."""
     return {f: [list(v.stored_shape), np.dtype(v.dtype).str] for f, v in sorted(info.fields.items()) if f != name}
+
+
+def inputs_agree(stored: Any, inputs: dict[str, list]) -> bool:
+    """Whether the fields of ``inputs`` (a record's now) that ``stored`` (its array's, None for an array of an
+    older stoker) also names have the stored shapes and dtypes. Only fields both name are compared: a dataset
+    opened with other ``fields=`` (a derived array added, a field left out) recomputes nothing, as ``fn`` read
+    no field the dataset it ran on did not have."""
+    if not isinstance(stored, dict):
+        return False
+    return all(stored[f] == v for f, v in inputs.items() if f in stored)
 
 
 def _check_replaceable(record: str, sample: str, name: str) -> None:
@@ -272,7 +283,7 @@ def _store(local: ZarrRecords, i: int, name: str, fn: Callable[[Sample], Any], f
     attrs = {ATTR: {**attrs[ATTR], "inputs": inputs}}
 
     def done() -> bool:  # the same name and params, from fields of the same shapes and dtypes
-        return stored_fingerprint(record, name) == fp and stored_inputs(record, name) == inputs
+        return stored_fingerprint(record, name) == fp and inputs_agree(stored_inputs(record, name), inputs)
 
     if done():
         return False
@@ -372,5 +383,5 @@ def precompute(ds: ZarrRecords, name: str, fn: Callable[[Sample], torch.Tensor],
                             sum(int(t[1]) for t in tails), sum(int(t[2]) for t in tails))
 
 
-__all__ = ["PrecomputeResult", "precompute", "fingerprint", "record_folder", "record_inputs", "stored_fingerprint",
-           "stored_inputs", "write_array"]
+__all__ = ["PrecomputeResult", "precompute", "fingerprint", "inputs_agree", "record_folder", "record_inputs",
+           "stored_fingerprint", "stored_inputs", "write_array"]
