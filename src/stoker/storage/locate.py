@@ -223,6 +223,7 @@ class Stores:
         # _remote_gate); used only on the stores' one event loop thread (it binds to a loop when first waited on)
         self._requests = requests_in_flight
         self._gate: Any = None
+        self._granted = 0  # the requests runtime.openfiles granted the gate, given back at close
         self._stores: OrderedDict[tuple, tuple[Store, Any]] = OrderedDict()
         self._lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
         self._closed = False
@@ -336,10 +337,14 @@ class Stores:
 
             fit = requests_that_fit(self._requests)  # outside the lock, a leaf: it takes its own
             with self._lock:
-                if self._gate is None:
+                if self._gate is None and not self._closed:
                     if self._prefetch is not None:
                         self._prefetch.max_requests = min(self._prefetch.max_requests, max(1, fit * 3 // 4))
-                    self._gate = asyncio.Semaphore(fit)
+                    self._gate, self._granted, fit = asyncio.Semaphore(fit), fit, 0
+            if fit:  # another thread made the gate meanwhile, or the stores closed: not this one's to keep
+                from ..runtime.openfiles import release
+
+                release(fit)
         return self._gate
 
     def _make(self, loc: Location, ident: tuple, options: dict, settings: dict, cache: Any) -> tuple[Store, Any]:
@@ -416,6 +421,11 @@ class Stores:
         with self._lock:
             self._closed = True
             held, self._stores = list(self._stores.values()), OrderedDict()
+            granted, self._granted = self._granted, 0
+        if granted:
+            from ..runtime.openfiles import release
+
+            release(granted)
         for store, _ in held:
             store.close()
 
