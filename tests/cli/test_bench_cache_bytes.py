@@ -4,6 +4,7 @@ measured while each epoch runs against the bound (cache_bytes plus the largest e
 import argparse
 import os
 import re
+import time
 import tempfile
 import threading
 
@@ -75,6 +76,28 @@ def test_cache_peak_samples_a_folder_being_filled_and_evicted(tmp_path):
     assert peak.largest_bytes == HEADER.size + len("key 59") + 27_700  # the last entry: its header and ident, the bytes
     assert peak.within and cache_peak_line("stoker e1", {"cache_peak": [peak]}).startswith("stoker e1: cache folder "
                                                                                              "peak ")
+
+
+def test_cache_peak_sleeps_while_its_cache_is_quiet(tmp_path):
+    # A cached epoch (nothing queued, written or evicted) is timed beside an idle sampler: it looks at the
+    # folder once, then not again until the cache changes; a write after the quiet spell is read and scanned.
+    cache = disk_cache(str(tmp_path / "c"), 1 << 20)
+    cache.write("one", b"x" * 1000)
+    assert cache.flush(30)
+    with CachePeak(cache, every_s=0.001) as peak:
+        deadline = time.monotonic() + 10
+        while peak.scans < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)  # some 300 samples' worth of quiet
+        quiet = (peak.reads, peak.scans)
+        cache.write("two", b"y" * 30_000)
+        assert cache.flush(30)
+        while peak.scans < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        changed = (peak.reads, peak.scans)
+    assert quiet == (1, 1), quiet
+    assert changed[0] >= 2 and changed[1] >= 2, changed
+    assert peak.scan_peak >= 31_000
 
 
 def test_cache_peak_says_exceeded_for_bytes_past_the_bound(tmp_path):

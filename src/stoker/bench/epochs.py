@@ -123,21 +123,25 @@ class CachePeak:
     def _run(self) -> None:
         next_scan = 0.0
         c0 = time.thread_time()  # the whole loop, its waits between samples included: all of it the bench's
-        seen: tuple[int, int, int] | None = None  # the cache's entries queued, written and evicted when sampled
+        # the cache's entries queued, written and evicted when the total was last read, and when last scanned
+        read: tuple[int, int, int] | None = None
+        scanned: tuple[int, int, int] | None = None
         while not self._stop.is_set():
             # The folder changes through this process's cache alone (the bench's writes are all its own): with
-            # nothing queued, written or evicted since the last sample there is nothing new to see, so an epoch
+            # nothing queued, written or evicted since the last look there is nothing new to see, so an epoch
             # read from disk (all hits) is timed with the sampler idle, not scanning beside the peer it times
-            # (a scan holds the GIL for milliseconds); the scan after the block still checks the folder.
+            # (a scan holds the GIL for milliseconds). A state not scanned yet is scanned once a scan is due,
+            # even if the cache went quiet meanwhile; the scan after the block checks the folder once more.
             now = (self.cache.tickets, self.cache.written, self.cache.evicted)
-            if now != seen:
-                seen = now
+            if now != read:
+                read = now
                 self._read_total()
-                if time.monotonic() >= next_scan:
-                    s0 = time.thread_time()
-                    self._scan()
-                    # the next scan after enough idle time that scans take at most scan_share of a core
-                    next_scan = time.monotonic() + (time.thread_time() - s0) / self.scan_share
+            if now != scanned and time.monotonic() >= next_scan:
+                scanned = now
+                s0 = time.thread_time()
+                self._scan()
+                # the next scan after enough idle time that scans take at most scan_share of a core
+                next_scan = time.monotonic() + (time.thread_time() - s0) / self.scan_share
             self._stop.wait(self.every_s)
             self.cpu_s = time.thread_time() - c0
 
