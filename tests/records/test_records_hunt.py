@@ -77,6 +77,11 @@ def test_a_pad_value_the_field_cannot_hold_is_refused_not_changed(tmp_path):
     assert batch["x"].dtype == torch.float16 and batch["x"][0].tolist() == [1.0, 1.0, -1.0]
     nan = Pad(float("nan"))([{"x": s["x"]} for s in samples])["x"]
     assert torch.isnan(nan[0, 2]) and not torch.isnan(nan[1]).any()
+    # an ignore index for one field beside fields that cannot hold it: each its own value, the error says how
+    with pytest.raises(DtypeMismatch, match=r"values=\{'labels': \.\.\.\}"):
+        Pad(-100)([{"labels": s["labels"], "ids": s["ids"]} for s in samples])
+    mixed = Pad(0, values={"ids": -100})([{"labels": s["labels"], "ids": s["ids"]} for s in samples])
+    assert mixed["ids"][0].tolist() == [0, 1, -100] and mixed["labels"][0].tolist() == [0, 1, 0]
 
 
 def test_integer_fields_normalise_from_their_exact_values(tmp_path):

@@ -396,21 +396,29 @@ def _spec(name: str, spec: Any) -> Spec:
 
 
 class Pad:
-    """Pad each field along dim 0 to the batch's longest (with ``value``, which every field's dtype must
-    hold as it is) and stack: ``(B, L, ...)``, plus ``{field}_lengths`` (LongTensor ``(B,)``)."""
+    """Pad each field along dim 0 to the batch's longest (with ``value``, or the field's own in ``values``,
+    which its dtype must hold as it is) and stack: ``(B, L, ...)``, plus ``{field}_lengths`` (LongTensor
+    ``(B,)``).
 
-    def __init__(self, value: float | int | bool = 0) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise InvalidArgument(f"pad value must be a number, got {value!r}")
+    >>> Pad(0, values={"labels": -100})   # an ignore index for the labels, zeros for the rest
+    Pad(value=0, values={'labels': -100})
+    """
+
+    def __init__(self, value: float | int | bool = 0, values: Mapping[str, float | int] | None = None) -> None:
+        for v in [value, *(values or {}).values()]:
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise InvalidArgument(f"pad value must be a number, got {v!r}")
         self.value = value
+        self.values = dict(values or {})
 
     def __call__(self, samples: Sequence[Mapping[str, Any]]) -> RecordBatch:
         out = RecordBatch(num_samples=len(samples))
         for key, ts in _fields(samples, "_lengths").items():
             lengths = [t.shape[0] for t in ts]
             first = ts[0]
-            _check_fill(key, self.value, first.dtype)
-            stacked = torch.full((len(ts), max(lengths), *first.shape[1:]), self.value, dtype=first.dtype,
+            value = self.values.get(key, self.value)
+            _check_fill(key, value, first.dtype)
+            stacked = torch.full((len(ts), max(lengths), *first.shape[1:]), value, dtype=first.dtype,
                                  device=first.device)
             for j, t in enumerate(ts):
                 stacked[j, : t.shape[0]] = t
@@ -419,7 +427,7 @@ class Pad:
         return out
 
     def __repr__(self) -> str:
-        return f"Pad(value={self.value!r})"
+        return f"Pad(value={self.value!r}" + (f", values={self.values!r})" if self.values else ")")
 
 
 def _check_fill(key: str, value: float | int, dtype: torch.dtype) -> None:
@@ -435,8 +443,9 @@ def _check_fill(key: str, value: float | int, dtype: torch.dtype) -> None:
         info = torch.iinfo(dtype)
         fits = float(value).is_integer() and info.min <= value <= info.max
     if not fits:
-        raise DtypeMismatch(f"Pad(value={value!r}) cannot be stored in field {key!r} ({dtype}); pad with a value "
-                            "the field's dtype holds, or cast the field in the Loader's transform=", field=key)
+        raise DtypeMismatch(f"Pad value {value!r} cannot be stored in field {key!r} ({dtype}); pad it with a value "
+                            f"its dtype holds (Pad(..., values={{{key!r}: ...}}) gives a field its own), or cast "
+                            "the field in the Loader's transform=", field=key)
 
 
 def resolve(collate: CollateArg, ds: Any = None) -> Callable[[list], Any]:
