@@ -478,9 +478,10 @@ class TileWriter:
     ``crop``: the margin dropped from every side of a prediction that is not on the array's border (an
     int, or one per spatial axis); from every side of a padded tile (``TileGrid(pad=...)``), what is left
     clipped to the array. ``grid``: the TileGrid the samples come from, to write regions as soon
-    as they are complete (a ``crop`` that would leave voxels its tiles cover unwritten is refused). ``rank``/``world_size``: from ``torch.distributed`` (``group``'s) when not given, and
-    refused when they are not this process's place in it; ``group``: the process group of the collectives. ``write_threads``, ``write_bytes``, ``write_timeout_s``: the
-    background writes (the module docstring). An integer ``dtype`` takes float predictions rounded to the
+    as they are complete (a ``crop`` that would leave voxels its tiles cover unwritten is refused).
+    ``rank``/``world_size``: from ``torch.distributed`` (``group``'s) when not given, and refused when they
+    are not this process's place in it; ``group``: the process group of the collectives. ``write_threads``,
+    ``write_bytes``, ``write_timeout_s``: the background writes (the module docstring). An integer ``dtype`` takes float predictions rounded to the
     nearest, with every blend; a batch holding a value it cannot hold (NaN, infinity, out of its range) is
     refused whole (:class:`~stoker.errors.DtypeMismatch`), never written wrapped.
     """
