@@ -177,8 +177,9 @@ class Volume:
                     f"{who}: no anchor on axis {d} keeps every field's box inside its arrays (anchors on multiples "
                     f"of {self.step[d]}): field {below!r} needs anchors >= {lo}, field {above!r} (arrays of shape "
                     f"{self.shapes[above]}, box {self.fields[above].shape}, scale {self.scales[above]}) <= {hi}; "
-                    "make the boxes smaller or their offsets closer, or pass pad= (boxes may then extend past "
-                    "the arrays, padded)", field=above, axis=d)
+                    "make the boxes smaller or their offsets closer"
+                    + ("" if pad is not None else ", or pass pad= (boxes may then extend past the arrays, padded)"),
+                    field=above, axis=d)
             if self.bounds is not None:  # a region: anchors in [start, stop) as well
                 start, stop = self.bounds[d]
                 k0, k1 = max(k0, -(-start // self.step[d])), min(k1, (stop - 1) // self.step[d])
