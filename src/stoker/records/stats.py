@@ -138,8 +138,10 @@ def _affine(sample: Mapping[str, torch.Tensor], stats: Mapping[str, FieldStats],
             mean, std = _scale(st, x.dtype, x.device)
             out[name] = fn(x, mean, std)
         else:  # from the exact values: float32 rounds integers beyond 2**24 (a timestamp in steps of 128)
-            mean, std = _scale(st, torch.float64, x.device)
-            out[name] = fn(x.to(torch.float64), mean, std).to(torch.float32)
+            # in float64 where the device has it (Apple's MPS has none: there on the CPU, then back)
+            at = torch.device("cpu") if x.device.type == "mps" else x.device
+            mean, std = _scale(st, torch.float64, at)
+            out[name] = fn(x.to(at, torch.float64), mean, std).to(x.device, torch.float32)
     return out
 
 
