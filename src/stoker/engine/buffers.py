@@ -283,8 +283,8 @@ class SpareSlots:
         self.taken = 0  # buffers handed out again (what spared a fresh allocation)
 
     def take(self, nbytes: int) -> torch.Tensor | None:
-        """A buffer of exactly ``nbytes`` bytes that was given back (or :meth:`adopt`\ ed and no longer viewed),
-        or None."""
+        """A buffer of exactly ``nbytes`` bytes that was given back (or adopted with :meth:`adopt` and no longer
+        viewed), or None."""
         with self._lock:
             self._sweep_locked()
             for key, buf in reversed(self._free.items()):  # the newest: its pages are the likeliest in cache
