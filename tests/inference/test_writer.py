@@ -155,6 +155,23 @@ def test_arguments_are_checked(volume, tmp_path):
         stoker.TileWriter(str(tmp_path / "b.zarr"), SHAPE, (4, 8, 8), "f4", blend="hann")
 
 
+def test_a_restart_with_another_grid_is_refused(volume, tmp_path):
+    # The regions a writer marked hold its grid's tiles blended: a restart over another stride (or tile, or pad)
+    # would keep them beside regions of the new grid, a mix no single run makes. Refused as other settings.
+    uri, data = volume
+    out = str(tmp_path / "o.zarr")
+    grid = stoker.TileGrid([uri], TILE, stride=STRIDE)
+    w = stoker.TileWriter(out, SHAPE, (4, 8, 8), "f4", blend="linear", crop=CROP, grid=grid)
+    s = grid.sample(0, 0)
+    w.write([s], model(torch.from_numpy(data[tuple(slice(a, b) for a, b in s.aabb)][None]), 0))
+    w.close()
+    other = stoker.TileGrid([uri], TILE, stride=tuple(st - 1 for st in STRIDE))
+    with pytest.raises(stoker.InvalidArgument, match="other settings"):
+        stoker.TileWriter(out, SHAPE, (4, 8, 8), "f4", blend="linear", crop=CROP, grid=other)
+    same = stoker.TileWriter(out, SHAPE, (4, 8, 8), "f4", blend="linear", crop=CROP, grid=grid)  # resumes
+    same.close()
+
+
 # -- two ranks, and a restart ------------------------------------------------------------------
 
 def _rank_main(rank, world, init, uri, out, blend, result, dtype="f4"):

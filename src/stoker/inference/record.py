@@ -126,14 +126,20 @@ class CompletionRecord:
         except FileNotFoundError:
             return None
 
-    def check_settings(self, settings: dict) -> None:
-        """Start the record for ``settings``, or check that those it was started with are the same."""
+    def check_settings(self, settings: dict, optional: tuple[str, ...] = ()) -> None:
+        """Start the record for ``settings``, or check that those it was started with are the same; a key of
+        ``optional`` is compared only where both name it (a writer's ``grid``, which a restart may leave out)."""
         blob = self._read("writer.json")
         if blob is None:
             self._write("writer.json", json.dumps(settings, sort_keys=True).encode())
             return
         saved = json.loads(blob)
-        if saved != json.loads(json.dumps(settings)):
+        now = json.loads(json.dumps(settings))
+
+        def compared(d: dict, other: dict) -> dict:
+            return {k: v for k, v in d.items() if k not in optional or k in other}
+
+        if not isinstance(saved, dict) or compared(saved, now) != compared(now, saved):
             raise InvalidArgument(
                 f"{self.uri}: the completion record {self.path} was written by a TileWriter with other settings "
                 f"({saved}, now {settings}); regions it marks done would not match. Use the same settings, or "

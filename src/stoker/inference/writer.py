@@ -481,9 +481,9 @@ class TileWriter:
     as they are complete (a ``crop`` that would leave voxels its tiles cover unwritten is refused).
     ``rank``/``world_size``: from ``torch.distributed`` (``group``'s) when not given, and refused when they
     are not this process's place in it; ``group``: the process group of the collectives. ``write_threads``,
-    ``write_bytes``, ``write_timeout_s``: the background writes (the module docstring). An integer ``dtype`` takes float predictions rounded to the
-    nearest, with every blend; a batch holding a value it cannot hold (NaN, infinity, out of its range) is
-    refused whole (:class:`~stoker.errors.DtypeMismatch`), never written wrapped.
+    ``write_bytes``, ``write_timeout_s``: the background writes (the module docstring). An integer ``dtype``
+    takes float predictions rounded to the nearest, with every blend; a batch holding a value it cannot hold
+    (NaN, infinity, out of its range) is refused whole (:class:`~stoker.errors.DtypeMismatch`), never written wrapped.
     """
 
     def __init__(self, uri: str, shape: Sequence[int], chunks: Sequence[int], dtype: Any, blend: str = "none",
@@ -565,8 +565,13 @@ class TileWriter:
         self._chunks = ChunkWriter(arr, self._pool, durable=not is_remote(self.uri), uri=self.uri)
         self.record = CompletionRecord(self.uri, storage_options)
         if self.rank == 0:
-            self.record.check_settings({"shape": list(self.shape), "unit": list(self.unit_full),
-                                        "dtype": str(self.dtype), "blend": blend, "crop": _plain(crop)})
+            settings = {"shape": list(self.shape), "unit": list(self.unit_full), "dtype": str(self.dtype),
+                        "blend": blend, "crop": _plain(crop)}
+            if grid is not None:  # another grid puts other tiles, so other values, in the regions it marked
+                settings["grid"] = {"sample_shape": list(grid.sample_shape), "stride": list(grid.stride),
+                                    "pad": grid.pad}
+            # a restart without grid= is not refused: its marks, like the grid's, are of whole regions
+            self.record.check_settings(settings, optional=("grid",))
         barrier(group)
         # the regions written and marked (the record's, then each after its mark): what pending() skips
         self.done = self.record.done()
