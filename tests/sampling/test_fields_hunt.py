@@ -49,6 +49,18 @@ def test_an_unsigned_masks_missing_values_are_no_foreground(tmp_path, zarr_forma
     assert _anchors(src) == foreground
 
 
+def test_an_unsigned_masks_fractional_fill_is_refused_as_the_cf_decode_refuses_it(tmp_path):
+    """A fractional _FillValue of an integer mask marks no stored value; with _Unsigned it was dropped without
+    a word, where the same fill without _Unsigned is a MetadataError (zarr.cf): now refused alike."""
+    zarr.create_array(str(tmp_path / "m.zarr"), shape=(3, 5), chunks=(3, 5), dtype="i1", fill_value=0,
+                      attributes={"_Unsigned": "true", "_FillValue": 0.5})[:] = 1
+    zarr.create_array(str(tmp_path / "raw.zarr"), shape=(3, 5), chunks=(3, 5), dtype="u1")
+    with pytest.raises(stoker.MetadataError, match="0.5.*not an integer"):
+        stoker.RandomCrops({"labels": stoker.Field(str(tmp_path / "raw.zarr"), (1, 1))}, seed=0,
+                           samples_per_epoch=8,
+                           mask=stoker.Mask(str(tmp_path / "m.zarr"), 1.0, field="labels", scale=1))
+
+
 def test_a_field_longer_than_its_arrays_leaves_no_anchor_without_pad(tmp_path):
     """Without pad, a field whose box is longer than its arrays on some axis fits at no anchor: the sampler says
     so when made. It drew anchors whose box covered the short axis (the rule of a padded crop), and the

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, MetadataError
 
 if TYPE_CHECKING:
     from ..reader.array import ArrayReader
@@ -182,8 +182,13 @@ def _unsigned_missing(reader: "ArrayReader") -> np.ndarray | None:
     attrs = {k: v for k, v in attributes(reader).items() if k != "_Unsigned"}
     code = coding_of(attrs, np.dtype(np.float64), reader.zarr_format, stored_fill(reader), reader.uri)
     bits = 8 * reader.dtype.itemsize
-    kept = [int(f) % (1 << bits) for f in (code.fills if code is not None else ())
-            if f.is_integer() and -(1 << (bits - 1)) <= f < (1 << bits)]
+    fills = code.fills if code is not None else ()
+    for f in fills:  # as the CF decode refuses one of an integer array (zarr.cf._can_equal); NaN never equals
+        if math.isfinite(f) and not f.is_integer():
+            raise MetadataError(f"{reader.uri}: its fill value {f!r} (_FillValue or missing_value) is not an integer, "
+                                f"but the array holds {reader.dtype}; store the integer that marks missing values",
+                                uri=reader.uri, attribute="_FillValue")
+    kept = [int(f) % (1 << bits) for f in fills if f.is_integer() and -(1 << (bits - 1)) <= f < (1 << bits)]
     return np.array(kept, dtype=np.uint64).astype(reader.dtype) if kept else None  # wraps: the same bits
 
 
