@@ -75,6 +75,13 @@ def batch_bound(sources, cf: bool) -> float:
     return max((value_bound(r.dtype, coding(r) if cf else None) for r in sources), default=0.0)
 
 
+def needs_probe(plan, cfg, dtype: torch.dtype) -> bool:
+    """Whether the rounding of ``plan``'s work buffer into a batch of ``dtype`` must be checked
+    (:class:`RoundingProbe`): with ``cfg.transform`` (its values unbounded), or where the plan's arrays,
+    CF-decoded when ``cfg.cf``, may hold a value past ``dtype`` (:func:`batch_bound`, :func:`fits`)."""
+    return cfg.transform is not None or not fits(batch_bound(plan.sources, cfg.cf), dtype)
+
+
 def fits(bound: float, dtype: torch.dtype) -> bool:
     """Whether ``dtype`` holds every finite value of magnitude ``bound`` at most as a finite value: then no
     :class:`RoundingProbe` of a rounding into it is needed (a NaN bound: unknown, it does not fit)."""

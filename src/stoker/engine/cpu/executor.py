@@ -40,7 +40,7 @@ from ...storage import LocalStore
 from ...transforms import apply as apply_transform
 from ..buffers import Slot, SlotRing, TransientBudget, size_class
 from .cf import RowDecode, masks_wide, needs_float64, plan_decoder
-from ..rounding import batch_bound, fits, round_into
+from ..rounding import needs_probe, round_into
 from .decode_native import NativeDecoder, SharedEngine, native_codec, scratch_need
 from .decode_python import PythonDecoder
 from ..executor import Delivery, Job, SlotsDelivery, Target
@@ -373,7 +373,7 @@ class CpuExecutor(SlotsDelivery):
             work = target.out
             out = target.slot.tensor[: work.shape[0]]
             # the one rounding to the output, checked unless no value can be past it (no transform: bounded)
-            checked = self.cfg.transform is not None or not fits(batch_bound(job.plan.sources, self.cfg.cf), out.dtype)
+            checked = needs_probe(job.plan, self.cfg, out.dtype)
             round_into(out, work, job.plan, checked)
             job.out = job.out_np = target.out = None  # no view may keep the work slot from its next batch
             self.host_slots.release(target.host_slot)

@@ -57,7 +57,7 @@ from ..cpu.executor import CpuExecutor, take_slot
 from ..executor import Delivery, Job, Target
 from ..gpu import streams as streams_mod
 from ..gpu.streams import CudaStreams, HostStreams
-from ..rounding import RoundingProbe, batch_bound, fits
+from ..rounding import RoundingProbe, needs_probe
 
 if TYPE_CHECKING:
     from ...config import Config
@@ -335,7 +335,7 @@ class CudaExecutor(CpuExecutor):
         probes: list[RoundingProbe] = []
         # the rounding from the work buffer is checked unless no value can be past the output: without a
         # transform, the stored values CF-decoded (bounded), so this thread need not wait for the batch's event
-        bounded = self.cfg.transform is None and fits(batch_bound(job.plan.sources, self.cfg.cf), self.slots.dtype)
+        bounded = not needs_probe(job.plan, self.cfg, self.slots.dtype)
         target.event, transform_s = self.transfer.issue(host, target.slot, transform, copied=release_host,
                                                         keys=job.plan.keys, channels=job.plan.channels,
                                                         rounded=None if bounded else probes.append)

@@ -107,7 +107,7 @@ from .layout import layout_of
 from .ops import upload
 from ..planning.padding import fill_padding
 from ..cpu.cf import RowDecode, plan_decoder
-from ..rounding import RoundingProbe, batch_bound, fits
+from ..rounding import RoundingProbe, needs_probe
 from .sources import CPU, Described, Source, aligned, device_casts
 from .staging import Group, Pending, Stager, plan_reads
 from . import streams as streams_mod
@@ -871,7 +871,7 @@ class GpuDecodeExecutor(SlotsDelivery):
             out, work = b.target.slot.tensor[:b.plan.rows], self._work[:b.plan.rows]
             out.copy_(work)  # the one rounding to 16 bits, checked once its event is done (_finish), unless
             # no value can be past the output: without a transform, the stored values CF-decoded (bounded)
-            if self.cfg.transform is not None or not fits(batch_bound(b.plan.sources, self.cfg.cf), out.dtype):
+            if needs_probe(b.plan, self.cfg, out.dtype):
                 b.checks.append(RoundingProbe(out, work, b.plan.channels))
         if b.decode is not None and b.decode.probes:  # (its float64 results' rounding, read at _finish too)
             b.checks.insert(0, b.decode)
