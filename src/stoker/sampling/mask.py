@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from ..errors import InvalidArgument, MetadataError
+from ..errors import InvalidArgument
 
 if TYPE_CHECKING:
     from ..reader.array import ArrayReader
@@ -177,17 +177,14 @@ def _unsigned_missing(reader: "ArrayReader") -> np.ndarray | None:
     xarray masks the values with a fill's bits (``_FillValue: -1`` of int8 read as uint8: 255), so each fill,
     given in either signedness, is taken modulo 2**bits into the mask's dtype."""
     from ..reader.coords import attributes, stored_fill
-    from ..zarr.cf import coding_of
+    from ..zarr.cf import check_integer_fill, coding_of
 
     attrs = {k: v for k, v in attributes(reader).items() if k != "_Unsigned"}
     code = coding_of(attrs, np.dtype(np.float64), reader.zarr_format, stored_fill(reader), reader.uri)
     bits = 8 * reader.dtype.itemsize
     fills = code.fills if code is not None else ()
-    for f in fills:  # as the CF decode refuses one of an integer array (zarr.cf._can_equal); NaN never equals
-        if math.isfinite(f) and not f.is_integer():
-            raise MetadataError(f"{reader.uri}: its fill value {f!r} (_FillValue or missing_value) is not an integer, "
-                                f"but the array holds {reader.dtype}; store the integer that marks missing values",
-                                uri=reader.uri, attribute="_FillValue")
+    for f in fills:  # a fractional one refused, as the CF decode refuses it for an integer array
+        check_integer_fill(f, reader.dtype, reader.uri)
     kept = [int(f) % (1 << bits) for f in fills if f.is_integer() and -(1 << (bits - 1)) <= f < (1 << bits)]
     return np.array(kept, dtype=np.uint64).astype(reader.dtype) if kept else None  # wraps: the same bits
 

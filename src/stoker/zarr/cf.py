@@ -142,6 +142,15 @@ def coding_of(attrs: dict, dtype: np.dtype, zarr_format: int, zarr_fill: Any = N
     return CFCoding(scale, offset, masked, np.dtype(dtype).name if own else "float64")
 
 
+def check_integer_fill(fill: float, dtype: np.dtype, uri: str) -> None:
+    """MetadataError for a ``fill`` of an array of integer ``dtype`` that is not an integer (see
+    :func:`_can_equal`; :func:`coding_of` leaves NaN fills out before)."""
+    if not fill.is_integer():
+        raise MetadataError(f"{uri}: its fill value {fill!r} (_FillValue or missing_value) is not an integer, "
+                            f"but the array holds {dtype}; store the integer that marks missing values",
+                            uri=uri, attribute="_FillValue")
+
+
 def _can_equal(fill: float, dtype: np.dtype, uri: str) -> bool:
     """Whether a stored value of ``dtype`` can equal ``fill`` (a float64) as xarray compares them (in float64):
     a float32 array's ``_FillValue: 0.1`` never does (its values near it are 0.10000000149...), nor a uint8's
@@ -151,10 +160,7 @@ def _can_equal(fill: float, dtype: np.dtype, uri: str) -> bool:
         with np.errstate(over="ignore"):
             return float(dtype.type(fill)) == fill
     if dtype.kind in "iu":
-        if not fill.is_integer():
-            raise MetadataError(f"{uri}: its fill value {fill!r} (_FillValue or missing_value) is not an integer, "
-                                f"but the array holds {dtype}; store the integer that marks missing values",
-                                uri=uri, attribute="_FillValue")
+        check_integer_fill(fill, dtype, uri)
         info = np.iinfo(dtype)
         return info.min <= fill <= info.max
     return True
