@@ -54,6 +54,7 @@ from ..errors import NotFound, ShutdownError
 from ..runtime.memo import remember
 from ..runtime.workers import when_all_done
 from .diskcache import DiskCache, disk_cache
+from .keytree import KeyTree
 from .store import ByteRange, Store, by_key, check_key, check_prefix, not_found
 
 
@@ -101,6 +102,7 @@ class CachingStore:
         self.read_files = read_files  # how hits are read (see DiskCache.get_many; None: in Python)
         self.counters = CacheCounters()
         self._known: dict[str, tuple[Any, float]] = {}  # key -> (generation, when learnt: monotonic)
+        self._known_keys = KeyTree()  # the keys of _known by folder: forget(prefix) finds them without a scan
         # how often a generation known was replaced by another, or forgotten: what a memo of entries made at
         # the generations known (the decoder's, engine/cpu/decode_native.py) compares to learn it is stale
         self.changes = 0
@@ -144,7 +146,7 @@ class CachingStore:
             under = prefix + "/" if prefix else ""
             with self._lock:
                 self._forgot[prefix] = time.monotonic()  # answers to reads started before now: not learnt
-                gone = [k for k in self._known if k.startswith(under)]
+                gone = self._known_keys.pop_under(prefix)
                 # generations forgotten: memos of entries made at them are stale (none learnt under prefix, as
                 # when a new array is opened on a held store: the other arrays' memos stay good)
                 self.changes += bool(gone)
@@ -166,6 +168,7 @@ class CachingStore:
             self._listed_at.clear()
             self._found.clear()
             self._known.clear()
+            self._known_keys.clear()
             self._listings.clear()  # pages of a listing no longer here are not learnt (see _listed)
             self._heads.clear()  # nor HEADs started before now (see _headed): asked again by the next read
 
@@ -650,7 +653,9 @@ class CachingStore:
     def _set_known(self, key: str, known: tuple | None, generation: Any, when: float) -> None:
         """Under the lock: ``key``'s generation is ``generation`` as of ``when`` (``known``: what was known
         before); another generation than the one known counts a change (see :attr:`changes`)."""
-        if known is not None and known[0] is not generation and known[0] != generation:
+        if known is None:
+            self._known_keys.add(key)
+        elif known[0] is not generation and known[0] != generation:
             self.changes += 1
         self._known[key] = (generation, when)
 
