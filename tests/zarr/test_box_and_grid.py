@@ -230,3 +230,28 @@ def test_a_box_that_is_not_one_names_what_a_box_is(tmp_path):
     with pytest.raises(stoker.InvalidArgument, match="a box is one"):
         stoker.Sample(uri, None)
     assert reader.read(np.s_[0:2, 0:3]).sum() == 6  # boxes still read
+
+
+def test_plain_pairs_parse_as_the_general_path_does():
+    """Boxes of (start, stop) int pairs take parse_box's fast path; slices take the general one: the same box,
+    and the same refusals (a bool, a float, a negative start without pad, stop before start, a pair of 3)."""
+    import random
+
+    from stoker.errors import InvalidArgument
+    from stoker.zarr.box import parse_box
+
+    rng = random.Random(0)
+    for _ in range(500):
+        rank = rng.randint(1, 4)
+        neg = rng.random() < 0.5
+        pairs = []
+        for _ in range(rank):
+            a = rng.randint(-5 if neg else 0, 20)
+            pairs.append((a, a + rng.randint(0, 9)))
+        general = parse_box(tuple(slice(a, b) for a, b in pairs), allow_negative=neg)
+        for spelled in (pairs, tuple(pairs), [list(p) for p in pairs]):
+            assert parse_box(spelled, allow_negative=neg) == general
+    for bad in ([(True, 3)], [(0, 2.0)], [(-1, 3)], [(3, 2)], [(0, 1, 2)], [(0, 2), 5]):
+        with pytest.raises(InvalidArgument):  # the fast path leaves them to the general one, which refuses
+            parse_box(bad)
+    assert parse_box([(-1, 3)], allow_negative=True) == ((-1, 3),)

@@ -90,16 +90,19 @@ class Sample:
     def __init__(self, uri: str | os.PathLike | Sequence[str | os.PathLike] | Mapping[str, Any],
                  aabb: Any = None, pad: str | None = None) -> None:
         pad = check_pad(pad)
-        if isinstance(uri, Mapping):
+        channels: int | None = None
+        if type(uri) is str:  # the common case first: the ABC checks below cost microseconds a sample
+            uris: tuple[str, ...] = (uri,)
+        elif isinstance(uri, Mapping):
             self._init_fields(uri, aabb, pad)
             return
-        if isinstance(uri, (list, tuple)):
+        elif isinstance(uri, (list, tuple)):
             uris = tuple(_uri(u) for u in uri)
             if not uris:
                 raise InvalidArgument("Sample needs at least one array uri; got an empty list")
-            channels: int | None = len(uris)
+            channels = len(uris)
         else:
-            uris, channels = (_uri(uri),), None
+            uris = (_uri(uri),)
         box = parse_box(aabb, allow_negative=pad is not None)
         if any(stop == start for start, stop in box):
             raise InvalidArgument(f"Sample box {box} is empty on some axis; every extent must be >= 1")

@@ -54,6 +54,10 @@ def parse_box(aabb: Any, shape: Sequence[int] | None = None, uri: str | None = N
     against it (rank and bounds); without it every end must be explicit. ``allow_negative`` accepts
     starts below 0 (a padded box, which reaches past its array: see :class:`~stoker.Sample`'s ``pad``).
     """
+    if shape is None and (type(aabb) is tuple or type(aabb) is list):
+        plain = _plain_box(aabb, allow_negative)  # what samplers make: (start, stop) pairs of ints
+        if plain is not None:
+            return plain
     if isinstance(aabb, (slice, int)) or _is_integer(aabb):
         aabb = (aabb,)  # one axis: checked below (a bare integer is refused there, naming the axis)
     elif not isinstance(aabb, Sequence) and not hasattr(aabb, "__iter__"):  # None, Ellipsis, a float...
@@ -104,6 +108,22 @@ def parse_box(aabb: Any, shape: Sequence[int] | None = None, uri: str | None = N
     if shape is not None:
         check_in_bounds(box, shape, uri)
     return box
+
+
+def _plain_box(aabb: list | tuple, allow_negative: bool) -> Box | None:
+    """``aabb`` as a box where it is (start, stop) pairs (tuples or lists) of plain ints, each valid; None for
+    anything else, which :func:`parse_box`'s general path takes (numpy integers, slices) or refuses, naming
+    what is wrong. The general path costs a few microseconds a box in ABC checks; a pipeline's coordinator
+    makes every sample of every batch (its samplers' boxes are these), so that cost is on its serial path."""
+    out = []
+    for item in aabb:
+        if (type(item) is not tuple and type(item) is not list) or len(item) != 2:
+            return None
+        start, stop = item
+        if type(start) is not int or type(stop) is not int or stop < start or (start < 0 and not allow_negative):
+            return None
+        out.append((start, stop))
+    return tuple(out)
 
 
 def check_in_bounds(box: Box, shape: Sequence[int], uri: str | None = None) -> None:
