@@ -103,7 +103,8 @@ class Config:
       to ``lookahead_batches + 1`` batches are made ahead between a ``release`` and the next ``pop``, and
       the next batch is planned while they are.
     - ``pop_timeout_s`` (> 0 or ``None``): ``PoolStarved`` after this long without a batch.
-    - ``drop_last``: drop a final short batch (default) or emit it.
+    - ``drop_last``: drop a final short batch (default) or emit it. A :class:`~stoker.TileGrid`'s last batch
+      is always emitted (its epoch is never cut short: every tile is inferred).
     - ``storage_options``: ``None`` or ``{URI prefix: options}`` for remote arrays (``s3://``, ``gs://``,
       ``az://``, ``http(s)://``): each array takes the options of the longest prefix of its URI
       (credentials, endpoint, region, ``skip_signature``, and stoker's ``timeout_s``, ``retries``...;

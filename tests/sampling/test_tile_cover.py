@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 import zarr
 
 import stoker
@@ -89,6 +90,46 @@ def test_the_last_batch_of_a_grid_comes_whole_whatever_drop_last(volume):
     for samples, x in got:  # each crop is the data of the box its sample names
         for s, crop in zip(samples, x):
             np.testing.assert_array_equal(crop.numpy(), data[tuple(slice(a, b) for a, b in s.aabb)])
+
+
+@pytest.mark.parametrize("push", ["grid", "rank share", "forever"])
+def test_a_bare_pipeline_keeps_a_grids_short_last_batch_whatever_drop_last(volume, push):
+    """A Pipeline fed a TileGrid (not through CropDataset) launches the epoch's short last batch under the
+    default drop_last=True: it dropped the last tiles without a word. Other sources still drop it."""
+    uri, data = volume
+    grid = stoker.TileGrid([uri], (6, 8, 7), stride=(4, 5, 7))
+    assert len(grid) % 4  # a short last batch
+    cfg = stoker.Config(batch_size=4, dtype="f32", device="cpu", n_compute_threads=1)
+    assert cfg.drop_last
+    source = {"grid": grid, "rank share": grid.for_rank(0, 1), "forever": grid.for_rank(0, 1)}[push]
+    with stoker.Pipeline(cfg) as p:
+        if push == "forever":  # endless: epochs run on; a batch never ends at an epoch's end, so none is short
+            p.push(source.forever())
+            batches = [(list(b.samples), torch.from_dlpack(b).numpy().copy()) for b in p.batches(-(-2 * len(grid) // 4))]
+        else:
+            p.push(source)
+            batches = [(list(b.samples), torch.from_dlpack(b).numpy().copy()) for b in p]
+    seen = [s for samples, _ in batches for s in samples]
+    if push == "forever":
+        assert all(len(samples) == 4 for samples, _ in batches)
+        assert seen[:len(grid)] == [grid.sample(0, i) for i in range(len(grid))]
+    else:
+        assert [len(samples) for samples, _ in batches][-1] == len(grid) % 4
+        assert seen == [grid.sample(0, i) for i in range(len(grid))]
+    for samples, x in batches:
+        for s, crop in zip(samples, x):
+            np.testing.assert_array_equal(crop, data[tuple(slice(a, b) for a, b in s.aabb)])
+
+
+def test_a_bare_pipeline_still_drops_a_short_batch_of_other_sources(volume):
+    uri, _ = volume
+    crops = stoker.RandomCrops([uri], (6, 8, 7), seed=0, samples_per_epoch=9)
+    boxes = [stoker.Sample(uri, [(0, 6), (0, 8), (0, 7)])] * 9
+    cfg = stoker.Config(batch_size=4, dtype="f32", device="cpu", n_compute_threads=1)
+    for source in (crops, crops.for_rank(0, 1), boxes, iter(boxes)):
+        with stoker.Pipeline(cfg) as p:
+            p.push(source)
+            assert [len(b.samples) for b in p] == [4, 4]
 
 
 def test_crop_batches_yield_samples_with_their_batches(volume):

@@ -72,7 +72,7 @@ class SampleSource:
 
     seed: int = 0
     #: Every sample of an epoch must be delivered (the tiles of an inference): a rank split refuses
-    #: ``even="drop"``, and :class:`~stoker.CropDataset` yields the short last batch whatever ``drop_last``.
+    #: ``even="drop"``, and a Pipeline (and CropDataset) yields the short last batch whatever ``drop_last``.
     complete_epochs: bool = False
 
     def __len__(self) -> int:
@@ -485,8 +485,8 @@ class TileGrid(SampleSource):
     purpose). An array smaller than a tile on some axis has
     no tile (without ``pad``). With ``shuffle=True`` the tiles are permuted per ``(seed, epoch)``.
 
-    A grid's epoch is never cut short: :class:`~stoker.CropDataset` yields its last batch at its true size
-    whatever ``Config.drop_last`` says, and :meth:`for_rank` splits it with ``even="wrap"`` only (a short
+    A grid's epoch is never cut short: a :class:`~stoker.Pipeline` (and :class:`~stoker.CropDataset`) yields
+    its last batch at its true size whatever ``Config.drop_last`` says, and :meth:`for_rank` splits it with ``even="wrap"`` only (a short
     rank repeats tiles from the start; :class:`~stoker.TileWriter` counts a repeated tile once): its
     ``complete_epochs`` is True.
 
@@ -845,6 +845,12 @@ class _Cursor:
 
     def __next__(self) -> Sample:
         return next(self._gen)
+
+    @property
+    def complete_epochs(self) -> bool:
+        """Whether its source's epochs are delivered whole (a grid's tiles): a pipeline then launches the last
+        short batch whatever ``Config.drop_last`` says (see :attr:`SampleSource.complete_epochs`)."""
+        return bool(getattr(self.src.source, "complete_epochs", False))
 
     def state_after(self, n: int) -> dict:
         """The share's state once ``n`` samples of this iterator have been consumed."""

@@ -57,6 +57,9 @@ class Intake:
         self._source_ids = itertools.count()
         self.pushes = 0  # pushes so far (each a source id): what prefetch's freshness marks count
         self._resumable: dict[int, Any] = {}  # source id -> iterator that can report state_after(n)
+        # ids of the sources whose epochs are delivered whole (a TileGrid's): their last short batch is launched
+        # whatever drop_last says, as every tile is to be inferred (see _keeps_short)
+        self._whole: set[int] = set()
         self.received = Received()  # replaced whole by popped(): see Pipeline._hand_over
         self.flush = False  # launch a short batch of what is staged (drop_last=False, sources drained)
         self.launching = False  # samples taken from the sources but not yet in flight
@@ -76,6 +79,8 @@ class Intake:
             with self.cond:
                 sid = self._new_source()
                 self._resumable[sid] = it
+                if getattr(it, "complete_epochs", False):
+                    self._whole.add(sid)
                 self.sources.append((it, False, sid))
                 self.cond.notify_all()
         elif isinstance(samples, Sized) and not isinstance(samples, Iterator):
@@ -161,11 +166,18 @@ class Intake:
         """Samples staged before a source error: a short batch only when drop_last is off."""
         with self.cond:
             self.launching = True
+            keep = self._keeps_short()
             batch = self._take()
-            if self.cfg.drop_last and len(batch) < self.cfg.batch_size:
+            if not keep and len(batch) < self.cfg.batch_size:
                 self._counted -= len(batch)
                 return []
             return batch
+
+    def _keeps_short(self) -> bool:
+        """Under the condition: whether what is staged goes out as a short batch once the sources are drained:
+        with drop_last off, or where a staged sample is of a source whose epochs are delivered whole (a
+        :class:`~stoker.TileGrid`'s: its epoch is never cut short, a bare Pipeline's as CropDataset's)."""
+        return not self.cfg.drop_last or any(sid in self._whole for _, sid, _ in self.staged)
 
     def _take(self) -> list[Staged]:
         batch, self.staged = self.staged[: self.cfg.batch_size], self.staged[self.cfg.batch_size:]
@@ -178,8 +190,8 @@ class Intake:
 
     def flush_if_drained(self, in_flight: bool) -> None:
         """Under the condition: with nothing in flight and the sources drained, launch what is staged as a
-        short batch (when drop_last is off)."""
-        if not in_flight and not self.sources and self.staged and not self.cfg.drop_last:
+        short batch (when drop_last is off, or a grid's: :meth:`_keeps_short`)."""
+        if not in_flight and not self.sources and self.staged and self._keeps_short():
             self.flush = True
             self.cond.notify_all()
 
@@ -194,7 +206,7 @@ class Intake:
         being launched, or staged samples (launched now as a short batch when drop_last is off)."""
         if self.sources or self.launching or self.flush:
             return True
-        if self.staged and not self.cfg.drop_last:
+        if self.staged and self._keeps_short():
             self.flush = True
             self.cond.notify_all()
             return True
