@@ -380,3 +380,31 @@ def test_v2_both_key_layouts_is_a_metadata_error(tmp_path):
     with pytest.raises(stoker.MetadataError, match="dimension_separator") as info:
         stoker.open_array(path)
     assert path in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# v2 dtypes of numpy's extended precision (zarr-python 2 wrote any numpy dtype)
+
+
+@pytest.mark.parametrize("dtype", ["<f16", ">f16", "<c32", ">c32"])
+def test_v2_extended_precision_dtypes_are_refused(tmp_path, decode_path, dtype):
+    """numpy's ``f16``/``c32`` is ``long double``: x87's 80 bits padded to 16 bytes on x86-64, IEEE quad on
+    aarch64, absent where long double is a double. Their bytes mean other values on other machines, and
+    zarr-python 3 and tensorstore refuse the dtype; stoker read them as this machine's long double."""
+    path = str(tmp_path / "ld.zarr")
+    os.makedirs(path)
+    with open(os.path.join(path, ".zarray"), "w") as f:
+        json.dump({"zarr_format": 2, "shape": [4], "chunks": [4], "dtype": dtype, "fill_value": 0, "order": "C",
+                   "filters": None, "compressor": None}, f)
+    (np.arange(4) + 0.25).astype(dtype).tofile(os.path.join(path, "0"))
+    with pytest.raises(ValueError):
+        zarr.open_array(path, mode="r")
+    with pytest.raises(ValueError, match="Unsupported zarr dtype"):
+        ts.open({"driver": "zarr", "kvstore": {"driver": "file", "path": path}}).result()
+    with pytest.raises(stoker.UnsupportedFormat, match="extended precision") as info:
+        stoker.open_array(path)
+    assert path in str(info.value)
+    cfg = stoker.Config(batch_size=1, dtype="f32", host_buffer_bytes=1 << 20, pop_timeout_s=20.0)
+    with stoker.Pipeline(cfg) as p, pytest.raises(stoker.UnsupportedFormat, match="extended precision"):
+        p.push([stoker.Sample(path, [(0, 4)])])
+        p.pop()

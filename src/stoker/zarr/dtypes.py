@@ -28,6 +28,7 @@ V3_DTYPES = {
 }
 
 _SUPPORTED_KINDS = set("biufc")
+_LARGEST = {"f": 8, "c": 16}  # bytes of float64 and complex128, the widest IEEE types Zarr names
 
 
 def parse_v2_dtype(spec: Any, uri: str) -> np.dtype:
@@ -47,6 +48,14 @@ def parse_v2_dtype(spec: Any, uri: str) -> np.dtype:
     if dt.kind not in _SUPPORTED_KINDS or dt.fields is not None or dt.subdtype is not None:
         raise UnsupportedFormat(
             f"{uri}: dtype {show(spec)} is not supported; stoker reads bool, integer, float and complex arrays",
+            uri=uri, dtype=spec,
+        )
+    if dt.kind in "fc" and dt.itemsize > _LARGEST[dt.kind]:
+        # numpy's f16/c32 is the C long double: x87's 80 bits padded on x86-64, IEEE quad on aarch64, so the
+        # stored bytes mean other values on other machines (zarr-python 3 and tensorstore refuse it too)
+        raise UnsupportedFormat(
+            f"{uri}: dtype {show(spec)} is numpy's extended precision (long double), whose bytes differ "
+            "between machines; stoker reads float16/32/64 and complex64/128: convert the array to one of those",
             uri=uri, dtype=spec,
         )
     return dt
