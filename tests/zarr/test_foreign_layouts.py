@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import warnings
+import zipfile
 
 import numcodecs
 import numpy as np
@@ -371,6 +372,44 @@ def test_v2_without_dimension_separator_and_nothing_written_reads_fill(tmp_path)
     zarr.create_array(path, shape=(6, 6), chunks=(3, 3), dtype="u1", zarr_format=2, fill_value=9)
     _edit(path, ".zarray", lambda doc: doc.pop("dimension_separator", None))
     assert (stoker.open_array(path).read([(0, 6), (0, 6)]) == 9).all()
+
+
+def _zipped(folder: str, archive: str) -> None:
+    """``folder`` (an array) as the archive ``archive``, its members named from the folder's parent."""
+    with zipfile.ZipFile(archive, "w") as zf:
+        for parent, _, names in os.walk(folder):
+            for name in names:
+                path = os.path.join(parent, name)
+                zf.write(path, os.path.relpath(path, os.path.dirname(folder)))
+
+
+@pytest.mark.parametrize("nested", [True, False])
+def test_v2_keys_without_dimension_separator_in_a_zip_archive(tmp_path, decode_path, nested):
+    """The archive's member list is in memory: the layout is detected there as in a directory. Nested keys
+    read as fill values everywhere, silently, where the local copy of the array read its data."""
+    path = str(tmp_path / "old.zarr")
+    if nested:
+        expected = _nested_v2(path)
+    else:
+        z = zarr.create_array(path, shape=(6, 6), chunks=(3, 3), dtype="u1", zarr_format=2, fill_value=9)
+        z[:3] = 1
+        _edit(path, ".zarray", lambda doc: doc.pop("dimension_separator", None))
+        expected = _zarr(path)
+    _zipped(path, str(tmp_path / "d.zip"))
+    inside = str(tmp_path / "d.zip" / "old.zarr")
+    assert stoker.open_array(inside).metadata.key_encoding.separator == ("/" if nested else ".")
+    check_reads(inside, expected, (4, 6, 3) if nested else (3, 4))
+
+
+def test_v2_both_key_layouts_in_a_zip_archive_is_a_metadata_error(tmp_path):
+    path = str(tmp_path / "mixed.zarr")
+    _nested_v2(path)
+    shutil.copyfile(os.path.join(path, "1", "0", "0"), os.path.join(path, "1.0.0"))
+    _zipped(path, str(tmp_path / "d.zip"))
+    inside = str(tmp_path / "d.zip" / "mixed.zarr")
+    with pytest.raises(stoker.MetadataError, match="dimension_separator") as info:
+        stoker.open_array(inside)
+    assert inside in str(info.value)
 
 
 def test_v2_both_key_layouts_is_a_metadata_error(tmp_path):
