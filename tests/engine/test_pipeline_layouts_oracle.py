@@ -7,15 +7,19 @@ written.
 
 tests/reader/test_reader_oracle.py holds ``open_array(...).read`` to the same oracle (Python decode path);
 this file holds the pipeline to it, on the Python path and on the compiled engine (``decode_path``), the
-boxes half the time chunk-aligned (whole chunks decoded straight into the batch).
+boxes half the time chunk-aligned (whole chunks decoded straight into the batch), the array read from its
+folder, and (fewer seeds) from an HTTP server (tests/range_server.py: chunks fetched, then decoded from
+memory) and from a zip archive of it.
 
-Each case is one seed (its id reproduces it); ``STOKER_FUZZ_EXAMPLES=N`` runs N seeds.
+Each case is one seed (its id reproduces it); ``STOKER_FUZZ_EXAMPLES=N`` runs N seeds (a quarter of them
+from the HTTP server and the archive).
 """
 
 from __future__ import annotations
 
 import os
 import warnings
+import zipfile
 
 import numcodecs
 import numpy as np
@@ -26,10 +30,14 @@ from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, GzipCodec, Sharding
 
 import stoker
 
+from range_server import RangeServer
+
 pytestmark = [pytest.mark.timeout(60), pytest.mark.filterwarnings("ignore::RuntimeWarning"),
               pytest.mark.filterwarnings("ignore::UserWarning")]
 
-SEEDS = range(int(os.environ.get("STOKER_FUZZ_EXAMPLES", "").strip() or 40))
+_N = int(os.environ.get("STOKER_FUZZ_EXAMPLES", "").strip() or 40)
+CASES = [("file", seed) for seed in range(_N)] + [(where, seed) for where in ("http", "zip")
+                                                  for seed in range(_N, _N + max(1, _N // 4))]
 
 V2_DTYPES = ["|u1", "|i1", "<i2", ">i2", ">u2", "<u4", ">i4", ">i8", "<u8", ">u8", "<f2", ">f2", ">f4", "<f8",
              ">f8", "|b1", ">c8"]
@@ -173,19 +181,44 @@ def boxes(rng: np.random.Generator, shape, chunks, n: int = 3) -> list[list[tupl
     return [[(a, a + b) for a, b in zip(starts(), size)] for _ in range(n)]
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-def test_pipeline_batches_equal_zarr_python(tmp_path, decode_path, seed):
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A folder, and an HTTP server of it."""
+    root = tmp_path_factory.mktemp("served")
+    server = RangeServer(str(root))
+    yield root, server
+    server.stop()
+
+
+def _uri(where: str, path: str, served) -> str:
+    """Where the pipeline reads the array at ``path`` (a folder under the served root)."""
+    if where == "http":
+        root, server = served
+        return f"{server.url}/{os.path.relpath(path, root)}"
+    if where == "zip":
+        archive = path + ".zip"
+        with zipfile.ZipFile(archive, "w") as zf:
+            for parent, _, names in os.walk(path):
+                for name in names:
+                    zf.write(os.path.join(parent, name), os.path.relpath(os.path.join(parent, name), path))
+        return archive
+    return path
+
+
+@pytest.mark.parametrize("where,seed", CASES)
+def test_pipeline_batches_equal_zarr_python(served, decode_path, where, seed):
     rng = np.random.default_rng([seed, 20261206])
-    path = str(tmp_path / "a.zarr")
+    path = str(served[0] / f"{decode_path}-{where}-{seed}.zarr")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         layout, chunks = write_layout(rng, path)
         ref = zarr.open_array(path, mode="r")
     crops = boxes(rng, ref.shape, chunks)
+    uri = _uri(where, path, served)
     cfg = stoker.Config(batch_size=len(crops), dtype="native", device="cpu", host_buffer_bytes=16 << 20,
                         n_io_threads=1, n_compute_threads=2, pop_timeout_s=20.0)
     with stoker.Pipeline(cfg) as p:
-        p.push([stoker.Sample(path, box) for box in crops])
+        p.push([stoker.Sample(uri, box) for box in crops])
         with p.pop() as batch:
             got = torch.from_dlpack(batch).numpy().copy()
     for row, box in enumerate(crops):
