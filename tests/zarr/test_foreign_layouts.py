@@ -326,6 +326,28 @@ def test_v3_array_codecs_stoker_does_not_read(tmp_path, codecs, needle):
         stoker.open_array(path)
 
 
+@pytest.mark.parametrize("codec", [
+    {"name": "numcodecs.astype", "configuration": {"encode_dtype": "<f16", "decode_dtype": "<i2"}},
+    {"name": "numcodecs.fixedscaleoffset", "configuration": {"offset": 0, "scale": 1, "dtype": "<i2",
+                                                             "astype": "<c32"}},
+])
+def test_v3_array_codecs_storing_long_doubles_are_refused(tmp_path, codec):
+    """A v3 numcodecs codec that stores numpy's long double (``f16``/``c32``: other bytes on other machines,
+    see test_v2_extended_precision_dtypes_are_refused), which zarr-python refuses, was read as this
+    machine's long double."""
+    path = str(tmp_path / "a.zarr")
+    zarr.create_array(path, shape=(4,), chunks=(4,), dtype="int16")
+    _edit(path, "zarr.json", lambda doc: doc.__setitem__("codecs", [codec, {"name": "bytes"}]))
+    os.makedirs(os.path.join(path, "c"), exist_ok=True)
+    stored = codec["configuration"].get("encode_dtype") or codec["configuration"]["astype"]
+    np.arange(4).astype(stored).tofile(os.path.join(path, "c", "0"))
+    with pytest.raises(ValueError, match="No Zarr data type"):
+        zarr.open_array(path, mode="r")[...]
+    with pytest.raises(stoker.UnsupportedFormat, match="extended precision") as info:
+        stoker.open_array(path)
+    assert path in str(info.value)
+
+
 # ---------------------------------------------------------------------------------------------
 # zarr-python < 2.8: nested keys and no dimension_separator
 
