@@ -423,6 +423,19 @@ def test_v2_keys_without_dimension_separator_in_a_zip_archive(tmp_path, decode_p
     check_reads(inside, expected, (4, 6, 3) if nested else (3, 4))
 
 
+def test_v2_nested_keys_in_a_consolidated_group_of_a_zip_archive(tmp_path):
+    """The array's document from its group's .zmetadata (no dimension_separator there either): detected as well."""
+    group = tmp_path / "g.zarr"
+    zarr.open_group(str(group), mode="w", zarr_format=2)
+    expected = _nested_v2(str(group / "old"))
+    zarr.consolidate_metadata(str(group))
+    _edit(str(group), ".zmetadata", lambda doc: doc["metadata"]["old/.zarray"].pop("dimension_separator"))
+    _zipped(str(group), str(tmp_path / "d.zip"))
+    inside = str(tmp_path / "d.zip" / "g.zarr" / "old")
+    assert stoker.open_array(inside).metadata.key_encoding.separator == "/"
+    np.testing.assert_array_equal(stoker.open_array(inside).read([(0, 10), (0, 12), (0, 7)]), expected)
+
+
 def test_v2_both_key_layouts_in_a_zip_archive_is_a_metadata_error(tmp_path):
     path = str(tmp_path / "mixed.zarr")
     _nested_v2(path)
