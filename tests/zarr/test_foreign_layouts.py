@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import warnings
+import zipfile
 
 import numcodecs
 import numpy as np
@@ -325,6 +326,28 @@ def test_v3_array_codecs_stoker_does_not_read(tmp_path, codecs, needle):
         stoker.open_array(path)
 
 
+@pytest.mark.parametrize("codec", [
+    {"name": "numcodecs.astype", "configuration": {"encode_dtype": "<f16", "decode_dtype": "<i2"}},
+    {"name": "numcodecs.fixedscaleoffset", "configuration": {"offset": 0, "scale": 1, "dtype": "<i2",
+                                                             "astype": "<c32"}},
+])
+def test_v3_array_codecs_storing_long_doubles_are_refused(tmp_path, codec):
+    """A v3 numcodecs codec that stores numpy's long double (``f16``/``c32``: other bytes on other machines,
+    see test_v2_extended_precision_dtypes_are_refused), which zarr-python refuses, was read as this
+    machine's long double."""
+    path = str(tmp_path / "a.zarr")
+    zarr.create_array(path, shape=(4,), chunks=(4,), dtype="int16")
+    _edit(path, "zarr.json", lambda doc: doc.__setitem__("codecs", [codec, {"name": "bytes"}]))
+    os.makedirs(os.path.join(path, "c"), exist_ok=True)
+    stored = codec["configuration"].get("encode_dtype") or codec["configuration"]["astype"]
+    np.arange(4).astype(stored).tofile(os.path.join(path, "c", "0"))
+    with pytest.raises(ValueError, match="No Zarr data type"):
+        zarr.open_array(path, mode="r")[...]
+    with pytest.raises(stoker.UnsupportedFormat, match="extended precision") as info:
+        stoker.open_array(path)
+    assert path in str(info.value)
+
+
 # ---------------------------------------------------------------------------------------------
 # zarr-python < 2.8: nested keys and no dimension_separator
 
@@ -373,6 +396,57 @@ def test_v2_without_dimension_separator_and_nothing_written_reads_fill(tmp_path)
     assert (stoker.open_array(path).read([(0, 6), (0, 6)]) == 9).all()
 
 
+def _zipped(folder: str, archive: str) -> None:
+    """``folder`` (an array) as the archive ``archive``, its members named from the folder's parent."""
+    with zipfile.ZipFile(archive, "w") as zf:
+        for parent, _, names in os.walk(folder):
+            for name in names:
+                path = os.path.join(parent, name)
+                zf.write(path, os.path.relpath(path, os.path.dirname(folder)))
+
+
+@pytest.mark.parametrize("nested", [True, False])
+def test_v2_keys_without_dimension_separator_in_a_zip_archive(tmp_path, decode_path, nested):
+    """The archive's member list is in memory: the layout is detected there as in a directory. Nested keys
+    read as fill values everywhere, silently, where the local copy of the array read its data."""
+    path = str(tmp_path / "old.zarr")
+    if nested:
+        expected = _nested_v2(path)
+    else:
+        z = zarr.create_array(path, shape=(6, 6), chunks=(3, 3), dtype="u1", zarr_format=2, fill_value=9)
+        z[:3] = 1
+        _edit(path, ".zarray", lambda doc: doc.pop("dimension_separator", None))
+        expected = _zarr(path)
+    _zipped(path, str(tmp_path / "d.zip"))
+    inside = str(tmp_path / "d.zip" / "old.zarr")
+    assert stoker.open_array(inside).metadata.key_encoding.separator == ("/" if nested else ".")
+    check_reads(inside, expected, (4, 6, 3) if nested else (3, 4))
+
+
+def test_v2_nested_keys_in_a_consolidated_group_of_a_zip_archive(tmp_path):
+    """The array's document from its group's .zmetadata (no dimension_separator there either): detected as well."""
+    group = tmp_path / "g.zarr"
+    zarr.open_group(str(group), mode="w", zarr_format=2)
+    expected = _nested_v2(str(group / "old"))
+    zarr.consolidate_metadata(str(group))
+    _edit(str(group), ".zmetadata", lambda doc: doc["metadata"]["old/.zarray"].pop("dimension_separator"))
+    _zipped(str(group), str(tmp_path / "d.zip"))
+    inside = str(tmp_path / "d.zip" / "g.zarr" / "old")
+    assert stoker.open_array(inside).metadata.key_encoding.separator == "/"
+    np.testing.assert_array_equal(stoker.open_array(inside).read([(0, 10), (0, 12), (0, 7)]), expected)
+
+
+def test_v2_both_key_layouts_in_a_zip_archive_is_a_metadata_error(tmp_path):
+    path = str(tmp_path / "mixed.zarr")
+    _nested_v2(path)
+    shutil.copyfile(os.path.join(path, "1", "0", "0"), os.path.join(path, "1.0.0"))
+    _zipped(path, str(tmp_path / "d.zip"))
+    inside = str(tmp_path / "d.zip" / "mixed.zarr")
+    with pytest.raises(stoker.MetadataError, match="dimension_separator") as info:
+        stoker.open_array(inside)
+    assert inside in str(info.value)
+
+
 def test_v2_both_key_layouts_is_a_metadata_error(tmp_path):
     path = str(tmp_path / "mixed.zarr")
     _nested_v2(path)
@@ -380,3 +454,31 @@ def test_v2_both_key_layouts_is_a_metadata_error(tmp_path):
     with pytest.raises(stoker.MetadataError, match="dimension_separator") as info:
         stoker.open_array(path)
     assert path in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# v2 dtypes of numpy's extended precision (zarr-python 2 wrote any numpy dtype)
+
+
+@pytest.mark.parametrize("dtype", ["<f16", ">f16", "<c32", ">c32"])
+def test_v2_extended_precision_dtypes_are_refused(tmp_path, decode_path, dtype):
+    """numpy's ``f16``/``c32`` is ``long double``: x87's 80 bits padded to 16 bytes on x86-64, IEEE quad on
+    aarch64, absent where long double is a double. Their bytes mean other values on other machines, and
+    zarr-python 3 and tensorstore refuse the dtype; stoker read them as this machine's long double."""
+    path = str(tmp_path / "ld.zarr")
+    os.makedirs(path)
+    with open(os.path.join(path, ".zarray"), "w") as f:
+        json.dump({"zarr_format": 2, "shape": [4], "chunks": [4], "dtype": dtype, "fill_value": 0, "order": "C",
+                   "filters": None, "compressor": None}, f)
+    (np.arange(4) + 0.25).astype(dtype).tofile(os.path.join(path, "0"))
+    with pytest.raises(ValueError):
+        zarr.open_array(path, mode="r")
+    with pytest.raises(ValueError, match="Unsupported zarr dtype"):
+        ts.open({"driver": "zarr", "kvstore": {"driver": "file", "path": path}}).result()
+    with pytest.raises(stoker.UnsupportedFormat, match="extended precision") as info:
+        stoker.open_array(path)
+    assert path in str(info.value)
+    cfg = stoker.Config(batch_size=1, dtype="f32", host_buffer_bytes=1 << 20, pop_timeout_s=20.0)
+    with stoker.Pipeline(cfg) as p, pytest.raises(stoker.UnsupportedFormat, match="extended precision"):
+        p.push([stoker.Sample(path, [(0, 4)])])
+        p.pop()

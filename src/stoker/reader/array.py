@@ -104,16 +104,40 @@ def detect_v2_separator(path: str, doc: dict, uri: str) -> str:
                 if len(parts) == ndim and all(_is_index(p) for p in parts) and not entry.is_dir():
                     first = nested or (parts[0] if os.path.isdir(os.path.join(path, parts[0])) else None)
                     if first is not None:
-                        raise MetadataError(
-                            f"{uri}: .zarray names no dimension_separator and the array holds both flat chunk "
-                            f"keys ({name!r}) and nested ones (directory {first!r}); add "
-                            "\"dimension_separator\" to .zarray to say which",
-                            uri=uri,
-                        )
+                        raise _both_layouts(uri, name, first)
                     return "."
     except OSError as exc:
         raise StorageError(f"{uri}: cannot list {path}: {exc.strerror}", path=path) from None
     return "/" if nested is not None else "."
+
+
+def detect_store_separator(store: Store, prefix: str, doc: dict, uri: str) -> str:
+    """:func:`detect_v2_separator`'s rule for the v2 array at key ``prefix`` of ``store``, from one listing of
+    the array's keys, where the store lists from memory (a zip archive's member list); any other store
+    (an object store lists in requests, a page per 1,000 keys of a flat array) reads with ``.``.
+
+    Without it an array of nested keys in a zip archive read as fill values everywhere, silently, where the
+    same array read from its directory read its data."""
+    ndim = len(doc["shape"]) if isinstance(doc.get("shape"), list) else 0
+    if doc.get("dimension_separator") is not None or ndim < 2 or not store.lists_in_memory:
+        return "."
+    keys, folders = store.list_dir(prefix)
+    names: Sequence[str] = keys  # (Store.list_dir's annotation names its own method `list`, which mypy reads)
+    dirs: Sequence[str] = folders
+    nested = next((name for name in (f.rpartition("/")[2] for f in dirs) if _is_index(name)), None)
+    for name in (k.rpartition("/")[2] for k in names):
+        parts = name.split(".")
+        if len(parts) == ndim and all(_is_index(p) for p in parts):
+            if nested is not None:
+                raise _both_layouts(uri, name, nested)
+            return "."
+    return "/" if nested is not None else "."
+
+
+def _both_layouts(uri: str, flat: str, nested: str) -> MetadataError:
+    return MetadataError(
+        f"{uri}: .zarray names no dimension_separator and the array holds both flat chunk keys ({flat!r}) and "
+        f"nested ones (directory {nested!r}); add \"dimension_separator\" to .zarray to say which", uri=uri)
 
 
 def read_metadata(path: str, store: LocalStore, uri: str | None = None) -> ArrayMetadata:
@@ -199,8 +223,9 @@ def _v2_group(uri: str) -> InvalidArgument:
 def read_store_metadata(hierarchy: Hierarchy, prefix: str, uri: str) -> ArrayMetadata:
     """Parse the metadata of the array at key ``prefix`` of a store: from an ancestor group's consolidated
     metadata when one lists it (see :mod:`stoker.storage.hierarchy`), else its own ``zarr.json`` or
-    ``.zarray``. A v2 array whose ``.zarray`` names no ``dimension_separator`` reads with ``.`` (a store
-    cannot be listed cheaply to detect nested keys, as :func:`detect_v2_separator` does for local files)."""
+    ``.zarray``. A v2 array whose ``.zarray`` names no ``dimension_separator`` has its layout detected where
+    the store lists from memory (:func:`detect_store_separator`), else reads with ``.`` (an object store
+    is not listed for it)."""
     found = hierarchy.consolidated(prefix, uri)
     if found is not None:
         fmt, doc = found
@@ -208,7 +233,8 @@ def read_store_metadata(hierarchy: Hierarchy, prefix: str, uri: str) -> ArrayMet
             return _v3(doc, uri)
         if ".zarray" not in doc:
             raise _v2_group(uri)
-        return parse_v2(doc[".zarray"], uri)
+        zarray = doc[".zarray"]
+        return parse_v2(zarray, uri, separator=_store_separator(hierarchy, prefix, zarray, uri))
     join = (lambda name: f"{prefix}/{name}") if prefix else (lambda name: name)
     own = hierarchy.first([join("zarr.json"), join(".zarray")], uri)
     if own is not None:
@@ -216,10 +242,17 @@ def read_store_metadata(hierarchy: Hierarchy, prefix: str, uri: str) -> ArrayMet
         if key.endswith("zarr.json"):
             doc = parse_json(raw, uri, "zarr.json")
             return with_document(_v3(doc, uri), doc)  # its attributes: a request spared (reader.coords)
-        return parse_v2(parse_json(raw, uri, ".zarray"), uri)
+        zarray = parse_json(raw, uri, ".zarray")
+        return parse_v2(zarray, uri, separator=_store_separator(hierarchy, prefix, zarray, uri))
     if hierarchy.exists(join(".zgroup")):
         raise _v2_group(uri)
     raise NotFound(f"no Zarr array at {uri} (neither zarr.json nor .zarray exists)", uri=uri)
+
+
+def _store_separator(hierarchy: Hierarchy, prefix: str, doc: Any, uri: str) -> str:
+    """The separator of a v2 ``.zarray`` ``doc`` read from a store; a document that is not a JSON object is
+    left to :func:`parse_v2` to refuse."""
+    return detect_store_separator(hierarchy.store, prefix, doc, uri) if isinstance(doc, dict) else "."
 
 
 class ChunkLocation(NamedTuple):

@@ -126,6 +126,7 @@ class CachingStore:
     uri = property(lambda self: self.store.uri)
     supports_ranges = property(lambda self: self.store.supports_ranges)
     supports_list = property(lambda self: self.store.supports_list)
+    lists_in_memory = property(lambda self: self.store.lists_in_memory)
     is_local = property(lambda self: self.store.is_local)
 
     def __reduce__(self):  # to worker processes: the store rebuilt there, the same folder

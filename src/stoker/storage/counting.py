@@ -44,6 +44,10 @@ class CountingStore(Store):
         return self.store.supports_list
 
     @property
+    def lists_in_memory(self) -> bool:
+        return self.store.lists_in_memory
+
+    @property
     def is_local(self) -> bool:
         return self.store.is_local
 

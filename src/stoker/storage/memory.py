@@ -19,6 +19,7 @@ class MemoryStore(Store):
 
     supports_ranges = True
     supports_list = True
+    lists_in_memory = True
     is_local = False
     #: get_many and get_each can say which generation of each value they read (``versions=True``)
     reports_versions = True

@@ -3,8 +3,8 @@
 A key is a ``/``-separated relative name (``"zarr.json"``, ``"c/0/1"``), never an OS path: the same
 key reads the same value from a directory, a zip archive, an object store bucket or memory. Every
 store subclasses :class:`Store`: its methods, and the capabilities it declares as class attributes
-(``supports_ranges``, ``supports_list``, ``is_local``, ``reports_versions``, ``starts_reads``, ``max_gap``;
-see :class:`Store`), which callers read and never probe for.
+(``supports_ranges``, ``supports_list``, ``lists_in_memory``, ``is_local``, ``reports_versions``,
+``starts_reads``, ``max_gap``; see :class:`Store`), which callers read and never probe for.
 
 Reads return exactly the asked bytes or raise: a missing key is :class:`~stoker.errors.NotFound`, and
 any failure to deliver them, a short body included, is a :class:`~stoker.errors.StorageError` naming
@@ -64,7 +64,7 @@ class Store:
     """What every store does (see the module docstring for the rules they share): every store subclasses it.
 
     A store declares what it can do as class attributes (never probed): :attr:`supports_ranges`,
-    :attr:`supports_list`, :attr:`is_local`, :attr:`reports_versions`, :attr:`starts_reads`,
+    :attr:`supports_list`, :attr:`lists_in_memory`, :attr:`is_local`, :attr:`reports_versions`, :attr:`starts_reads`,
     :attr:`max_gap`. It implements :meth:`get`, :meth:`get_ranges`, :meth:`size`, :meth:`exists`,
     :meth:`list`, :meth:`list_dir` and :meth:`close`; the bulk reads :meth:`get_many` and :meth:`get_each`
     have defaults built on them, which a store that reads many things at once (an object store) overrides.
@@ -82,6 +82,9 @@ class Store:
     supports_ranges: bool = True
     #: :meth:`list` and :meth:`list_dir` work (plain HTTP servers cannot list)
     supports_list: bool = True
+    #: :meth:`list` and :meth:`list_dir` answer from memory, without a request (a zip archive's member list):
+    #: a reader may list to learn a layout its metadata does not say (a v2 array's key separator)
+    lists_in_memory: bool = False
     #: keys are regular files under the directory :attr:`root` (``store.path(key)`` names one), and each
     #: value's generation is its file's :data:`~stoker.storage.local.Identity`: an engine may read the files
     #: itself by path, checking their identities as :class:`~stoker.storage.local.LocalStore` does

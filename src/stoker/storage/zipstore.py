@@ -45,6 +45,7 @@ class ZipStore(Store):
 
     supports_ranges = True
     supports_list = True
+    lists_in_memory = True  # the central directory, read when the archive opens
     is_local = False
     #: get_many and get_each can say which generation of each member they read (``versions=True``)
     reports_versions = True

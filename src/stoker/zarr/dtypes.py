@@ -28,6 +28,7 @@ V3_DTYPES = {
 }
 
 _SUPPORTED_KINDS = set("biufc")
+_LARGEST = {"f": 8, "c": 16}  # bytes of float64 and complex128, the widest IEEE types Zarr names
 
 
 def parse_v2_dtype(spec: Any, uri: str) -> np.dtype:
@@ -49,7 +50,20 @@ def parse_v2_dtype(spec: Any, uri: str) -> np.dtype:
             f"{uri}: dtype {show(spec)} is not supported; stoker reads bool, integer, float and complex arrays",
             uri=uri, dtype=spec,
         )
+    refuse_long_double(dt, f"dtype {show(spec)}", uri)
     return dt
+
+
+def refuse_long_double(dt: np.dtype, what: str, uri: str) -> None:
+    """UnsupportedFormat for numpy's ``f16``/``c32``, the C long double: x87's 80 bits padded to 16 bytes on
+    x86-64, IEEE quad on aarch64, so stored bytes of it mean other values on other machines (zarr-python 3 and
+    tensorstore refuse the type). ``what`` names where the type was given (an array's dtype, a codec's)."""
+    if dt.kind in "fc" and dt.itemsize > _LARGEST[dt.kind]:
+        raise UnsupportedFormat(
+            f"{uri}: {what} is numpy's extended precision (long double), whose bytes differ between machines; "
+            "stoker reads float16/32/64 and complex64/128: convert the array to one of those",
+            uri=uri, dtype=str(dt),
+        )
 
 
 def parse_v3_dtype(spec: Any, uri: str) -> np.dtype:

@@ -12,6 +12,7 @@ from numcodecs.abc import Codec
 from numcodecs.compat import ensure_ndarray
 
 from ...errors import MetadataError, UnsupportedFormat
+from ..dtypes import refuse_long_double
 from ..fields import boolean, integer, lst, obj, required, show, string
 from .blosc import blosc_compressors
 from .chain import ChunkCodec
@@ -158,6 +159,7 @@ def _numeric_dtype(value: Any, what: str, uri: str) -> np.dtype:
         raise MetadataError(f"{uri}: {what} {show(value)} is not a data type", uri=uri) from None
     if dt.kind not in "biufc" or dt.fields is not None or dt.subdtype is not None:
         raise UnsupportedFormat(f"{uri}: {what} {show(value)} is not a numeric data type", uri=uri)
+    refuse_long_double(dt, f"{what} {show(value)}", uri)
     return dt
 
 
