@@ -46,7 +46,7 @@ import random
 import re
 import threading
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, Awaitable, Callable, NamedTuple, Sequence
 from urllib.parse import urlparse
 
@@ -1015,6 +1015,20 @@ def _etag(e_tag: str) -> str:
     if bare[:2] in ("W/", "w/"):
         bare = bare[2:]
     return f'"{bare.strip(chr(34))}"'
+
+
+def modified_at(version: Any) -> float | None:
+    """The Last-Modified time (seconds since the epoch) that ``version`` is made of, where the server sent no
+    ETag (see :func:`_version`); None for an ETag, no version, or another store's generation. Such a version
+    tells a rewrite of the same size apart only once its second is over: what the disk cache asks before it
+    keeps an answer (:mod:`stoker.storage.cachingstore`)."""
+    if isinstance(version, tuple) and len(version) == 2 and isinstance(version[1], str) and \
+            version[1].startswith(_MODIFIED):
+        try:
+            return datetime.fromisoformat(version[1][len(_MODIFIED):]).timestamp()
+        except ValueError:
+            return None
+    return None
 
 
 def etag_version(version: Any) -> Version | None:
