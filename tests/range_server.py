@@ -13,6 +13,8 @@ runs, apply to the next requests in order:
   connection is closed (a dropped connection);
 - ``shorten(n)``: the next ``n`` bodies are consistent but shorter than asked (headers and body agree
   on fewer bytes: a misbehaving server or proxy);
+- ``ignore_ranges``: every ``Range`` header is ignored, the whole file sent with 200 (as a server without range
+  support does);
 - ``missing_status``: the status of a request for a file that is not there (404; 403 is what S3
   answers a client without ``s3:ListBucket`` permission);
 - ``stop()``: stops listening and closes every open connection (a server gone mid-run).
@@ -90,7 +92,7 @@ class _Handler(BaseHTTPRequestHandler):
         st = os.stat(path)
         size = len(data)
         start, end, status = 0, size, 200
-        header = self.headers.get("Range")
+        header = None if self.server.ignore_ranges else self.headers.get("Range")
         if header:
             m = _RANGE.match(header.strip())
             if m is None or (not m.group(1) and not m.group(2)):
@@ -142,6 +144,7 @@ class RangeServer(ThreadingHTTPServer):
         self.root = root
         self.latency_s = 0.0
         self.missing_status = 404
+        self.ignore_ranges = False  # True: answers every request whole, with 200 (a server without range support)
         self.etags = True  # False: answers name no version of the file (as some servers do)
         self.requests = 0
         self.paths: list[str] = []

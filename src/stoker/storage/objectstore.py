@@ -73,6 +73,10 @@ _TRANSIENT = ("error sending request", "body error", "timed out", "connection re
               "incomplete")
 
 
+#: obstore's message (lower case) for a ranged read answered with the whole value (a server without range support)
+_NO_RANGES = "range request not supported"
+
+
 #: When the call this task serves must be done (the loop's clock): the most any of its requests waits for a
 #: free request slot. Set by ObjectStore._bounded; tasks a call starts copy it with their context.
 _deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("stoker_objectstore_deadline",
@@ -463,8 +467,13 @@ class ObjectStore(Store):
         if short is not None and status == 416:
             return short(attempt)
         gave_up = f"after {attempt} attempt" + ("s" if attempt > 1 else "")
-        hint = ("the server kept failing: check it, or raise retries= / timeout_s=" if transient else
-                "check the URL, credentials (environment or storage_options) and permissions")
+        if _NO_RANGES in text.lower():  # obstore refused a 200 with the whole value as the answer to a range
+            hint = ("the server ignores byte ranges (it answers a ranged read with the whole value, status 200): "
+                    "a shard's index and inner chunks are ranges; serve the data from a server that supports "
+                    "HTTP Range requests")
+        else:
+            hint = ("the server kept failing: check it, or raise retries= / timeout_s=" if transient else
+                    "check the URL, credentials (environment or storage_options) and permissions")
         if status == 403:
             hint += ("; a 403 may also be a missing key: S3 answers 403, not 404, for a key that does not "
                      "exist when the credentials lack s3:ListBucket permission on the bucket")
