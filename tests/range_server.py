@@ -13,6 +13,10 @@ runs, apply to the next requests in order:
   connection is closed (a dropped connection);
 - ``shorten(n)``: the next ``n`` bodies are consistent but shorter than asked (headers and body agree
   on fewer bytes: a misbehaving server or proxy);
+- ``ignore_ranges``: every ``Range`` header is ignored, the whole file sent with 200 (as a server without range
+  support does);
+- ``redirect_status``: every request is answered with this redirect (302, 307...) to the same file under
+  ``/moved/``, which is served;
 - ``missing_status``: the status of a request for a file that is not there (404; 403 is what S3
   answers a client without ``s3:ListBucket`` permission);
 - ``stop()``: stops listening and closes every open connection (a server gone mid-run).
@@ -35,6 +39,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote, urlparse
 
 _RANGE = re.compile(r"bytes=(\d*)-(\d*)$")
+_MOVED = "/moved/"  # where redirect_status sends every request
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -79,7 +84,16 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Length", "0")
             self.end_headers()
             return
-        path = os.path.join(self.server.root, unquote(urlparse(self.path).path).lstrip("/"))
+        wanted = unquote(urlparse(self.path).path)
+        if self.server.redirect_status:
+            if not wanted.startswith(_MOVED):  # sent on to the same file under /moved/
+                self.send_response(self.server.redirect_status)
+                self.send_header("Location", _MOVED + urlparse(self.path).path.lstrip("/"))
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            wanted = wanted[len(_MOVED):]
+        path = os.path.join(self.server.root, wanted.lstrip("/"))
         if not os.path.isfile(path):
             self.send_response(self.server.missing_status)
             self.send_header("Content-Length", "0")
@@ -90,7 +104,7 @@ class _Handler(BaseHTTPRequestHandler):
         st = os.stat(path)
         size = len(data)
         start, end, status = 0, size, 200
-        header = self.headers.get("Range")
+        header = None if self.server.ignore_ranges else self.headers.get("Range")
         if header:
             m = _RANGE.match(header.strip())
             if m is None or (not m.group(1) and not m.group(2)):
@@ -142,6 +156,8 @@ class RangeServer(ThreadingHTTPServer):
         self.root = root
         self.latency_s = 0.0
         self.missing_status = 404
+        self.redirect_status = 0  # e.g. 302 or 307: every request is sent on to its file under /moved/
+        self.ignore_ranges = False  # True: answers every request whole, with 200 (a server without range support)
         self.etags = True  # False: answers name no version of the file (as some servers do)
         self.requests = 0
         self.paths: list[str] = []

@@ -152,6 +152,47 @@ def test_an_object_replaced_between_epochs_is_read_new(remote, data, tmp_path):
     _check(_read_all(uri, options), data)
 
 
+def _date_files(root: str, when: float) -> None:
+    """Every file under ``root`` dated ``when`` (what a server without ETags names as each one's version)."""
+    for folder, _, names in os.walk(root):
+        for name in names:
+            os.utime(os.path.join(folder, name), (when, when))
+
+
+def test_a_same_second_rewrite_over_a_last_modified_server_is_never_served_from_disk(tmp_path):
+    """A server without ETags versions an object by its size and Last-Modified time, in whole seconds: an
+    entry kept while its object's second was still running may be rewritten within that second at the same
+    size (an uncompressed chunk always has its size), and would then be served for ever, however long
+    after, where without the cache the new bytes are read. Such an object is read through until its
+    second is over; one dated long ago is kept (the second read is served from disk)."""
+    root = str(tmp_path / "data")
+    spec = {"raw": dict(chunks=(16, 16), dtype="int32", compressors=None)}
+    write = random_int_arrays(spec, SHAPE)
+    write(root, 1)
+    server = RangeServer(root)
+    server.etags = False
+    try:
+        options = {**FAST, "cache_dir": str(tmp_path / "cache"), "cache_bytes": 64 << 20}
+        second = float(int(time.time()))  # written within this second, read within it too
+        _date_files(root, second)
+        arr = stoker.open_array(f"{server.url}/raw", options)
+        np.testing.assert_array_equal(arr[...], zarr_values(root, "raw"))
+        assert arr.kv.cache.flush(30)
+        write(root, 2)  # a rewrite of the same size, dated the same second
+        _date_files(root, second)
+        time.sleep(1.1)  # long past that second: the read below would see any later rewrite by its date
+        np.testing.assert_array_equal(stoker.open_array(f"{server.url}/raw", options)[...], zarr_values(root, "raw"))
+        _date_files(root, second - 3600)  # dated long ago: kept, and the next read served from disk
+        arr = stoker.open_array(f"{server.url}/raw", options)
+        np.testing.assert_array_equal(arr[...], zarr_values(root, "raw"))
+        assert arr.kv.cache.flush(30)
+        hits = arr.kv.counters.hit_bytes
+        np.testing.assert_array_equal(stoker.open_array(f"{server.url}/raw", options)[...], zarr_values(root, "raw"))
+        assert arr.kv.counters.hit_bytes - hits >= 64 * 48 * 4  # every chunk from disk
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize("path", list(ARRAYS))
 def test_a_pipeline_reads_new_data_after_the_staleness_bound(s3, data, tmp_path, path):
     prefix = f"cache-{uuid.uuid4().hex[:8]}"

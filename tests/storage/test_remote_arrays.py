@@ -130,6 +130,39 @@ def test_every_array_reads_bit_for_bit_equal_to_local(tree, kind):
         stores.close()
 
 
+@pytest.mark.parametrize("status", [302, 307])
+@pytest.mark.parametrize("cached", [False, True], ids=["uncached", "disk-cache"])
+def test_an_http_server_that_redirects_every_request_reads_every_array_as_zarr_does(tree, status, cached, tmp_path):
+    """Every request (GET, ranged GET, HEAD) of the arrays answered by a redirect to the same file elsewhere on
+    the host: followed, each array read equal to zarr-python's (shards' indexes and inner chunks, missing
+    chunks and shards as fill values, consolidated groups), and through the disk cache a second read from
+    disk at the same values."""
+    server = RangeServer(tree["root"])
+    server.redirect_status = status
+    stores = Stores()
+    try:
+        options = dict(FAST)
+        if cached:
+            options.update(cache_dir=str(tmp_path / "cache"), cache_bytes=64 << 20)
+        for _ in range(2 if cached else 1):
+            for path in ARRAYS:
+                ref = zarr.open_array(os.path.join(tree["root"], path), mode="r")[...]
+                arr = stoker.open_array(f"{server.url}/{path}", options, stores=stores)
+                assert np.ascontiguousarray(arr[...]).tobytes() == \
+                    np.ascontiguousarray(ref.astype(arr.dtype)).tobytes(), path
+                for box in BOXES:
+                    assert bits(arr[box]) == bits(np.ascontiguousarray(ref.astype(arr.dtype)[box])), (path, box)
+            if cached:
+                assert arr.kv.cache.flush(30)
+        assert any(p.startswith("/moved/") for p in server.paths) and any(
+            not p.startswith("/moved/") for p in server.paths)  # every request went there by the redirect
+        if cached:
+            assert arr.kv.counters.hit_bytes > 0
+    finally:
+        stores.close()
+        server.stop()
+
+
 def test_uri_forms():
     assert locate("s3://b/g.zarr/a").root == "s3://b" and locate("s3://b/g.zarr/a").prefix == "g.zarr/a"
     assert locate("https://h:8/x/y/").prefix == "x/y"

@@ -107,6 +107,32 @@ def test_short_but_consistent_body_is_an_error_never_short_data(server):
     assert info.value.attempts == 2 and "short" in str(info.value)
 
 
+def test_a_server_that_ignores_ranges_is_an_error_naming_it_never_the_whole_value_as_the_range(server, tmp_path):
+    """A server without range support answers a ranged GET with the whole value and 200: never taken as the
+    range (of a shard: its index, its inner chunks), at once (no try mends it), with a message that says the
+    server ignores ranges rather than blaming credentials; whole values (a plain array's chunks) read."""
+    import numpy as np
+    import zarr
+
+    import stoker
+
+    server.ignore_ranges = True
+    s = store(server)
+    assert bytes(s.get("value")) == VALUE
+    for r in (ByteRange("value", 10, 1000), ByteRange.suffix("value", 100), ByteRange("value", 0, len(VALUE))):
+        with pytest.raises(StorageError, match="ignores byte ranges") as info:
+            s.get_ranges([r])
+        assert info.value.key == "value" and info.value.attempts == 1
+        assert "credentials" not in str(info.value)
+    data = np.arange(16 * 16, dtype="int32").reshape(16, 16)
+    zarr.create_array(str(tmp_path / "plain"), shape=data.shape, chunks=(8, 8), dtype="int32")[...] = data
+    zarr.create_array(str(tmp_path / "sharded"), shape=data.shape, chunks=(4, 4), shards=(8, 8), dtype="int32")[...] = data
+    options = {"timeout_s": 5.0, "retries": 1, "backoff_s": 0.01}
+    assert np.array_equal(stoker.open_array(f"{server.url}/plain", options)[...], data)
+    with pytest.raises(StorageError, match="ignores byte ranges"):
+        stoker.open_array(f"{server.url}/sharded", options)[...]
+
+
 def test_added_latency_within_the_timeout_reads(server):
     s = store(server, timeout_s=5.0)
     server.latency_s = 0.2

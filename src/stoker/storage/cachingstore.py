@@ -28,7 +28,8 @@ has another generation, so its old entries are never served (they age out). :met
 learnt, so the next read of every key revalidates; what was asked before it (a listing page, a HEAD) and
 answered after is not learnt, as it may predate a rewrite. A read waits for one listing page at most: a
 key whose page is further is asked by HEAD, not after every page before its own (the listing goes on).
-A key whose generation the store cannot state (no ETag, no Last-Modified) is never cached. A key of which
+A key whose generation the store cannot state (no ETag, no Last-Modified) is never cached, nor one versioned by a
+Last-Modified second still running when it was asked (see :func:`_settled`). A key of which
 nothing was ever kept needs no HEAD (an empty *marker* file, :meth:`DiskCache.mark
 <stoker.storage.diskcache.DiskCache.mark>`, says which keys have entries: a name, no block on disk), so a
 cold cache costs the requests an uncached read does.
@@ -55,6 +56,7 @@ from ..runtime.memo import remember
 from ..runtime.workers import when_all_done
 from .diskcache import DiskCache, disk_cache
 from .keytree import KeyTree
+from .objectstore import modified_at
 from .store import ByteRange, Store, by_key, check_key, check_prefix, not_found
 
 
@@ -82,6 +84,23 @@ class CacheCounters:
 
 #: A key learnt to be missing, or whose store states no generation: read through, not asked again until stale.
 _UNCACHED = object()
+
+
+#: How long after the start of its Last-Modified second an answer must have been asked for its bytes to be kept
+#: (see _settled): that second, plus this much difference between the server's clock and ours.
+SETTLED_S = 1.0 + 2.0
+
+
+def _settled(generation: Any, asked: float) -> bool:
+    """Whether the bytes of an answer asked at ``asked`` (monotonic) may be kept under ``generation``. A server
+    without ETags versions an object by its size and Last-Modified time, in whole seconds: an object answered
+    while its second was still running may be rewritten within that second at the same size (an uncompressed
+    chunk always has its size) and keep that version, and its entry would then be served for ever, however
+    long after the rewrite. So such an answer is kept only if it was asked :data:`SETTLED_S` after its second
+    began; one asked sooner is read through (the next read after that keeps it). An ETag changes with every
+    rewrite: always kept."""
+    modified = modified_at(generation)
+    return modified is None or time.time() - (time.monotonic() - asked) >= modified + SETTLED_S
 
 
 def _ident(uri: str, key: str, start: int | None, length: int | None, generation: Any) -> str:
@@ -930,6 +949,8 @@ class CachingStore:
         if gen is None:
             return  # no generation: a later read could not tell it from a rewritten object's
         self._learn(key, gen, now)  # an answer states the object's generation as a HEAD would
+        if not _settled(gen, now):
+            return  # a rewrite within its Last-Modified second would keep this generation: read through
         ident = _ident(self.uri, key, start, length, gen)
         losses = self.cache.losses  # before the write is queued: a loss after it may be this entry's
         self.cache.put(ident, data, wait)

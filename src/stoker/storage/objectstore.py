@@ -46,7 +46,7 @@ import random
 import re
 import threading
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, Awaitable, Callable, NamedTuple, Sequence
 from urllib.parse import urlparse
 
@@ -71,6 +71,10 @@ _STATUS = re.compile(r"status code: (\d{3})")
 # Matched in obstore's first message line (its debug dump names timeouts of every request).
 _TRANSIENT = ("error sending request", "body error", "timed out", "connection reset", "connection closed",
               "incomplete")
+
+
+#: obstore's message (lower case) for a ranged read answered with the whole value (a server without range support)
+_NO_RANGES = "range request not supported"
 
 
 #: When the call this task serves must be done (the loop's clock): the most any of its requests waits for a
@@ -463,8 +467,13 @@ class ObjectStore(Store):
         if short is not None and status == 416:
             return short(attempt)
         gave_up = f"after {attempt} attempt" + ("s" if attempt > 1 else "")
-        hint = ("the server kept failing: check it, or raise retries= / timeout_s=" if transient else
-                "check the URL, credentials (environment or storage_options) and permissions")
+        if _NO_RANGES in text.lower():  # obstore refused a 200 with the whole value as the answer to a range
+            hint = ("the server ignores byte ranges (it answers a ranged read with the whole value, status 200): "
+                    "a shard's index and inner chunks are ranges; serve the data from a server that supports "
+                    "HTTP Range requests")
+        else:
+            hint = ("the server kept failing: check it, or raise retries= / timeout_s=" if transient else
+                    "check the URL, credentials (environment or storage_options) and permissions")
         if status == 403:
             hint += ("; a 403 may also be a missing key: S3 answers 403, not 404, for a key that does not "
                      "exist when the credentials lack s3:ListBucket permission on the bucket")
@@ -1015,6 +1024,20 @@ def _etag(e_tag: str) -> str:
     if bare[:2] in ("W/", "w/"):
         bare = bare[2:]
     return f'"{bare.strip(chr(34))}"'
+
+
+def modified_at(version: Any) -> float | None:
+    """The Last-Modified time (seconds since the epoch) that ``version`` is made of, where the server sent no
+    ETag (see :func:`_version`); None for an ETag, no version, or another store's generation. Such a version
+    tells a rewrite of the same size apart only once its second is over: what the disk cache asks before it
+    keeps an answer (:mod:`stoker.storage.cachingstore`)."""
+    if isinstance(version, tuple) and len(version) == 2 and isinstance(version[1], str) and \
+            version[1].startswith(_MODIFIED):
+        try:
+            return datetime.fromisoformat(version[1][len(_MODIFIED):]).timestamp()
+        except ValueError:
+            return None
+    return None
 
 
 def etag_version(version: Any) -> Version | None:

@@ -1059,6 +1059,11 @@ class NativeDecoder:
                 parts, stale = self._frames_from(fetch, values, parts, sources, job.plan, pooled)
                 if len(stale):  # rewritten (or gone) since their tables were learnt: fetched whole, not decoded here
                     ids, parts = self._refetch(job, fetch, values, parts, stale, kind, sources)
+                    if not len(ids):  # every chunk went to the refetch, which finishes them (maybe already):
+                        # an engine job of none would count nothing after that, taken for a chunk reported twice
+                        res.done()
+                        self._frame_buffers.give(pooled)
+                        return
             buffers = values + parts
             bjob = gil.released(self.engine.submit, *self._tables(job.plan, job.out, kind, sources, ids, fetched=True),
                                 buffers)
