@@ -795,7 +795,10 @@ class RankShare:
         return self.cursor.state(self._order()).to_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from ``state`` (saved with any world size): nothing repeated or skipped in the epoch."""
+        """Continue from ``state`` (saved with any world size): nothing repeated or skipped in the epoch. On
+        the split it was saved on (world size, policy, even) every rank continues its share exactly as an
+        uninterrupted run would, the wrapped tail of a short rank too; on another split what the saved run
+        left is split anew."""
         saved = CursorState.from_dict(state)
         if saved.order.get("fingerprint") != self.source.fingerprint:
             shuffled = (f"; a state of a shuffled order other than {ORDER_VERSION} (saved by an earlier stoker) "
@@ -805,7 +808,7 @@ class RankShare:
                 f"this source is {self.source.fingerprint!r}): the same arrays, sample shape, seed and settings "
                 f"are needed{shuffled}"
             )
-        self.cursor.load(saved, keep_split=False)
+        self.cursor.load(saved, keep_split=True)
 
 
 class _Cursor:
