@@ -31,6 +31,7 @@ import numpy as np
 
 from .cursor import CursorState, EpochCursor
 from .field import Field, MaskedVolume, check_fields, open_volume
+from ..checks import integer
 from ..dist.collectives import resolve_rank
 from ..errors import IncompleteSource, InvalidArgument, NotYetSupported
 from .permutation import ORDER_VERSION, Permutation
@@ -255,6 +256,7 @@ class RandomCrops(SampleSource):
                  storage_options: dict | None = None, mask: Any = None, pad: str | None = None,
                  region: dict | None = None) -> None:
         self.pad = check_pad(pad, "RandomCrops")
+        samples_per_epoch = _epoch_length(samples_per_epoch)  # before any array or mask is read
         volumes = _volumes_given(arrays)
         if volumes is not None:
             if sample_shape is not None:
@@ -292,8 +294,9 @@ class RandomCrops(SampleSource):
         if raw.shape == (len(self.arrays),):  # a region that leaves an array no box start is what to say first
             _check_drawable(self, raw)
         self.weights = _weights(weights, spans, len(self.arrays))
-        if samples_per_epoch:
-            count = _epoch_length(samples_per_epoch)
+        given = _epoch_length(samples_per_epoch)
+        if given is not None:
+            count = given
         else:  # the crops that tile the data once
             count = max(1, sum(spans) // math.prod(self.sample_shape))
             if count > MAX_SAMPLES:
@@ -323,8 +326,9 @@ class RandomCrops(SampleSource):
             stores.close()
         anchors = [len(mv.qualifying) if mv.qualifying is not None else mv.volume.n_anchors for mv in self.volumes]
         self.weights = _weights(weights, anchors, len(volumes))
-        if samples_per_epoch:
-            count = _epoch_length(samples_per_epoch)
+        given = _epoch_length(samples_per_epoch)
+        if given is not None:
+            count = given
         else:  # the crops of each volume's first field that tile its arrays once (those that qualify)
             count = 0
             for mv, n in zip(self.volumes, anchors):
@@ -468,10 +472,13 @@ def _weights(weights: Sequence[float] | None, default: Sequence[float], n: int) 
     return w / w.sum()
 
 
-def _epoch_length(samples_per_epoch: int) -> int:
-    count = int(samples_per_epoch)
-    if not 1 <= count <= MAX_SAMPLES:
-        raise InvalidArgument(f"RandomCrops: samples_per_epoch must be in [1, 2**62], got {count}")
+def _epoch_length(samples_per_epoch: Any) -> int | None:
+    """``samples_per_epoch`` checked: an integer in ``[1, 2**62]``, or None for the default. A 0, a fraction or
+    a bool is refused: read as "the default", or truncated, it would change the epoch without saying so."""
+    count = integer("RandomCrops: samples_per_epoch", samples_per_epoch, 1, optional=True, knob="samples_per_epoch")
+    if count is not None and count > MAX_SAMPLES:
+        raise InvalidArgument(f"RandomCrops: samples_per_epoch must be in [1, 2**62], got {count}",
+                              knob="samples_per_epoch")
     return count
 
 
