@@ -30,3 +30,40 @@ def test_an_epoch_length_that_is_not_a_positive_integer_is_refused(uri, count):
 def test_an_epoch_length_of_a_numpy_integer_is_taken(uri):
     assert len(stoker.RandomCrops([uri], (4, 4), samples_per_epoch=np.int64(7))) == 7
     assert len(stoker.RandomCrops([uri], (4, 4), samples_per_epoch=None)) == 25  # the default: tiles the data once
+
+
+def _sources(uri, seed):
+    fields = {"raw": stoker.Field(uri, (4, 4))}
+    return [lambda: stoker.RandomCrops([uri], (4, 4), seed=seed, samples_per_epoch=4),
+            lambda: stoker.RandomCrops(fields, seed=seed, samples_per_epoch=4),
+            lambda: stoker.TileGrid([uri], (4, 4), shuffle=True, seed=seed),
+            lambda: stoker.TileGrid(fields, shuffle=True, seed=seed),
+            lambda: stoker.SampleList([stoker.Sample(uri, [(0, 4), (0, 4)])] * 3, shuffle=True, seed=seed)]
+
+
+@pytest.mark.parametrize("seed", [-1, 1.5, "3", None])
+@pytest.mark.parametrize("which", range(5))
+def test_a_seed_that_is_not_an_integer_from_0_is_refused_when_the_source_is_made(uri, seed, which):
+    """A negative seed made a ValueError of numpy's at the first draw (in the pipeline's thread); 1.5 was seed 1."""
+    with pytest.raises(stoker.InvalidArgument, match="seed"):
+        _sources(uri, seed)[which]()
+
+
+@pytest.mark.parametrize("which", range(5))
+def test_seeds_of_numpy_integers_and_large_ones_draw(uri, which):
+    for seed in (np.int64(3), 2**70):
+        src = _sources(uri, seed)[which]()
+        assert src.seed == int(seed) and src.sample(0, 0) == _sources(uri, int(seed))[which]().sample(0, 0)
+
+
+@pytest.mark.parametrize("epoch", [-1, 1.5, "2"])
+def test_an_epoch_that_is_not_an_integer_from_0_is_refused(uri, epoch):
+    """set_epoch(-1) failed at the first draw with numpy's ValueError; set_epoch(1.5) ran epoch 1."""
+    share = stoker.RandomCrops([uri], (4, 4), samples_per_epoch=4).for_rank(0, 1)
+    with pytest.raises(stoker.InvalidArgument, match="epoch"):
+        share.set_epoch(epoch)
+    ds = stoker.CropDataset(share, stoker.Config(batch_size=2, device="cpu"))
+    with pytest.raises(stoker.InvalidArgument, match="epoch"):
+        ds.set_epoch(epoch)
+    share.set_epoch(np.int64(2))
+    assert share.epoch == 2 and type(share.epoch) is int

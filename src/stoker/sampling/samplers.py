@@ -257,6 +257,7 @@ class RandomCrops(SampleSource):
                  region: dict | None = None) -> None:
         self.pad = check_pad(pad, "RandomCrops")
         samples_per_epoch = _epoch_length(samples_per_epoch)  # before any array or mask is read
+        seed = _seed(seed, "RandomCrops")
         volumes = _volumes_given(arrays)
         if volumes is not None:
             if sample_shape is not None:
@@ -472,6 +473,12 @@ def _weights(weights: Sequence[float] | None, default: Sequence[float], n: int) 
     return w / w.sum()
 
 
+def _seed(seed: Any, who: str) -> int:
+    """``seed`` checked: an integer >= 0 (numpy's seeding refuses a negative one, at the first draw; a fraction
+    would be truncated into another order), as the records Loader checks its seed."""
+    return integer(f"{who}: seed", seed, 0, knob="seed")
+
+
 def _epoch_length(samples_per_epoch: Any) -> int | None:
     """``samples_per_epoch`` checked: an integer in ``[1, 2**62]``, or None for the default. A 0, a fraction or
     a bool is refused: read as "the default", or truncated, it would change the epoch without saying so."""
@@ -531,6 +538,7 @@ class TileGrid(SampleSource):
                  stride: Sequence[int] | None = None, shuffle: bool = False, seed: int = 0,
                  storage_options: dict | None = None, pad: Any = None) -> None:
         self.pad = None if pad is False else check_pad(pad, "TileGrid")
+        seed = _seed(seed, "TileGrid")
         volumes = _volumes_given(arrays)
         self.volumes: list[MaskedVolume] | None = None
         if volumes is not None:
@@ -708,6 +716,7 @@ class SampleList(SampleSource):
     def __init__(self, samples: Sequence[Sample], shuffle: bool = False, seed: int = 0,
                  complete: bool = False) -> None:
         self.complete_epochs = bool(complete)
+        seed = _seed(seed, "SampleList")
         self.samples = list(samples)
         if not all(isinstance(s, Sample) for s in self.samples):
             raise InvalidArgument("SampleList takes stoker.Sample objects")
@@ -782,8 +791,9 @@ class RankShare:
         return max(0, len(self.cursor.share()) - self.cursor.steps)
 
     def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch`` from its beginning (call it on every rank, like DistributedSampler's)."""
-        self.cursor.place(int(epoch), [], 0)
+        """Start ``epoch`` from its beginning (call it on every rank, like DistributedSampler's); an integer
+        >= 0 (InvalidArgument otherwise: a negative epoch has no order, a fraction would run another epoch)."""
+        self.cursor.place(integer("set_epoch: epoch", epoch, 0, knob="epoch"), [], 0)
 
     def __iter__(self) -> "_Cursor":
         return _Cursor(self, forever=False)
