@@ -67,3 +67,31 @@ def test_an_epoch_that_is_not_an_integer_from_0_is_refused(uri, epoch):
         ds.set_epoch(epoch)
     share.set_epoch(np.int64(2))
     assert share.epoch == 2 and type(share.epoch) is int
+
+
+@pytest.mark.parametrize("make", [
+    lambda uri: stoker.RandomCrops([uri], (2.5, 4)),
+    lambda uri: stoker.RandomCrops([uri], "44"),
+    lambda uri: stoker.TileGrid([uri], (2.5, 4)),
+    lambda uri: stoker.TileGrid([uri], (4, 4), stride=(2.5, 4)),
+    lambda uri: stoker.TileGrid([uri], (4, 4), stride=(True, 4)),
+    lambda uri: stoker.TileGrid({"raw": stoker.Field(uri, (4, 4))}, stride=(2.5, 4)),
+    lambda uri: stoker.Config(sample_shape=(2.5, 4)),
+    lambda uri: stoker.Config(sample_shape="44"),
+    lambda uri: stoker.Mask(uri, 0.5, scale=[2.5, 1]),
+], ids=["crop", "crop-str", "tile", "stride", "stride-bool", "fields-stride", "config", "config-str", "mask-scale"])
+def test_a_fractional_shape_stride_or_scale_is_refused_not_truncated(uri, make):
+    """(2.5, 4) used to become (2, 4): crops, tiles or strides of another shape than asked, without a word."""
+    with pytest.raises(stoker.InvalidArgument, match="integer"):
+        make(uri)
+
+
+def test_whole_numbers_of_any_integer_type_are_taken(uri):
+    """numpy integers and floats that are whole numbers (a shape computed as 64 / 2) are the integers they hold."""
+    assert stoker.RandomCrops([uri], (np.int64(4), 4.0), samples_per_epoch=1).sample_shape == (4, 4)
+    grid = stoker.TileGrid([uri], (4, np.int32(4)), stride=(np.int64(2), 2.0))
+    assert grid.sample_shape == (4, 4) and grid.stride == (2, 2) and all(type(s) is int for s in grid.stride)
+    assert stoker.Config(sample_shape=(np.int64(4), 4.0)).sample_shape == (4, 4)
+    assert stoker.Mask(uri, 0.5, scale=np.int64(2)).scale == 2  # an int per axis: numpy's too
+    assert stoker.Mask(uri, 0.5, scale=[np.int64(2), 1]).scale == (2, 1)
+    assert stoker.Field(uri, (4, 4), scale=np.int64(2)).scale == (2, 2)

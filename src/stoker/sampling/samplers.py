@@ -31,7 +31,7 @@ import numpy as np
 
 from .cursor import CursorState, EpochCursor
 from .field import Field, MaskedVolume, check_fields, open_volume
-from ..checks import integer
+from ..checks import integer, integers
 from ..dist.collectives import resolve_rank
 from ..errors import IncompleteSource, InvalidArgument, NotYetSupported
 from .permutation import ORDER_VERSION, Permutation
@@ -277,9 +277,7 @@ class RandomCrops(SampleSource):
         self.arrays = _entries(arrays, "RandomCrops")
         if not self.arrays:
             raise InvalidArgument("RandomCrops needs at least one array")
-        self.sample_shape = tuple(int(s) for s in sample_shape)
-        if any(c < 1 for c in self.sample_shape):
-            raise InvalidArgument(f"RandomCrops: sample_shape {self.sample_shape} must be >= 1 on every axis")
+        self.sample_shape = integers("RandomCrops: sample_shape", sample_shape, 1, knob="sample_shape")
         self.seed = int(seed)
         self.shapes = _entry_shapes(self.arrays, storage_options)
         for uri, shape in zip(self.arrays, self.shapes):
@@ -550,12 +548,11 @@ class TileGrid(SampleSource):
         if sample_shape is None:
             raise InvalidArgument("TileGrid over arrays needs sample_shape (the tile's shape)", knob="sample_shape")
         self.arrays = _entries(arrays, "TileGrid")
-        self.sample_shape = tuple(int(s) for s in sample_shape)
-        self.stride = tuple(int(s) for s in (stride or self.sample_shape))
-        if any(s < 1 for s in self.stride) or len(self.stride) != len(self.sample_shape):
-            raise InvalidArgument(f"stride must be {len(self.sample_shape)} positive integers, got {self.stride}")
-        if any(c < 1 for c in self.sample_shape):
-            raise InvalidArgument(f"TileGrid: sample_shape {self.sample_shape} must be >= 1 on every axis")
+        self.sample_shape = integers("TileGrid: sample_shape", sample_shape, 1, knob="sample_shape")
+        self.stride = self.sample_shape if stride is None else integers("TileGrid: stride", stride, 1, knob="stride")
+        if len(self.stride) != len(self.sample_shape):
+            raise InvalidArgument(f"stride must be {len(self.sample_shape)} positive integers, got {self.stride}",
+                                  knob="stride")
         if self.pad is not None and any(st > c for st, c in zip(self.stride, self.sample_shape)):
             raise InvalidArgument(f"TileGrid(pad={self.pad!r}): stride {self.stride} exceeds the tile "
                                   f"{self.sample_shape} on some axis; a padded grid's tile centres (the tile less "
@@ -613,8 +610,8 @@ class TileGrid(SampleSource):
                     "fields' scales) on some axis, so tiles every step would leave voxels between them unread; "
                     "make the first field's box at least one step long on each axis, or pass a stride (one "
                     "larger than the box leaves those gaps on purpose)", knob="stride")
-        self.stride = tuple(int(s) for s in stride)
-        if len(self.stride) != ndim or any(s < 1 for s in self.stride):
+        self.stride = integers("TileGrid: stride", stride, 1, knob="stride")
+        if len(self.stride) != ndim:
             raise InvalidArgument(f"TileGrid: stride must be {ndim} positive integers, got {self.stride}", knob="stride")
         self._counts, self._offsets, self._lattice_stride, self._starts = [], [0], [], []
         for i, mv in enumerate(self.volumes):
