@@ -95,3 +95,10 @@ def test_whole_numbers_of_any_integer_type_are_taken(uri):
     assert stoker.Mask(uri, 0.5, scale=np.int64(2)).scale == 2  # an int per axis: numpy's too
     assert stoker.Mask(uri, 0.5, scale=[np.int64(2), 1]).scale == (2, 1)
     assert stoker.Field(uri, (4, 4), scale=np.int64(2)).scale == (2, 2)
+
+
+@pytest.mark.parametrize("weights", [[float("inf"), 1.0], [np.nan, 1.0], [1.0, -1.0], [0, 0], [1.0], "ab"])
+def test_weights_that_are_not_finite_non_negative_numbers_are_refused(uri, weights):
+    """An infinite weight made an IndexError of numpy's (inf / inf is NaN: no volume had a weight left)."""
+    with pytest.raises(stoker.InvalidArgument, match="weights"):
+        stoker.RandomCrops([uri, uri], (4, 4), weights=weights, samples_per_epoch=4)

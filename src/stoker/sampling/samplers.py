@@ -289,7 +289,7 @@ class RandomCrops(SampleSource):
         # per array and axis the first box start and how many there are (a region may restrict them; a padded
         # crop longer than its axis covers it, the axis anywhere inside it: first start below 0)
         self._lo, self._limits, spans = _anchors(self, region, storage_options)
-        raw = np.asarray(spans if weights is None else weights, dtype=np.float64)
+        raw = np.asarray(spans, dtype=np.float64) if weights is None else _raw_weights(weights, len(self.arrays))
         if raw.shape == (len(self.arrays),):  # a region that leaves an array no box start is what to say first
             _check_drawable(self, raw)
         self.weights = _weights(weights, spans, len(self.arrays))
@@ -465,10 +465,21 @@ def _digest(index: np.ndarray) -> list:
 
 def _weights(weights: Sequence[float] | None, default: Sequence[float], n: int) -> np.ndarray:
     """The sampling weights of ``n`` volumes, normalised (``default`` unless ``weights`` is given)."""
-    w = np.asarray(default if weights is None else weights, dtype=np.float64)
-    if w.shape != (n,) or (w < 0).any() or not w.sum() > 0:
-        raise InvalidArgument(f"weights must be {n} non-negative numbers, not all zero")
+    w = _raw_weights(default if weights is None else weights, n)
     return w / w.sum()
+
+
+def _raw_weights(weights: Any, n: int) -> np.ndarray:
+    """``weights`` as ``n`` finite non-negative float64 numbers, not all zero (an infinite one would leave the
+    others NaN once normalised), else InvalidArgument."""
+    try:
+        w = np.asarray(weights, dtype=np.float64)
+    except (TypeError, ValueError):
+        w = None
+    if w is None or w.shape != (n,) or not np.isfinite(w).all() or (w < 0).any() or not w.sum() > 0:
+        raise InvalidArgument(f"weights must be {n} finite non-negative numbers, not all zero, got {weights!r}",
+                              knob="weights")
+    return w
 
 
 def _seed(seed: Any, who: str) -> int:
