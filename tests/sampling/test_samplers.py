@@ -459,3 +459,22 @@ def test_a_resume_on_the_same_split_continues_exactly_its_wrapped_tail_too(polic
             resumed = src.for_rank(rank, 3, policy)
             resumed.load_state_dict(state)
             assert list(resumed) == whole[steps:]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("n, world, even", [(2, 3, "drop"), (0, 1, "wrap"), (0, 2, "drop")])
+def test_an_endless_share_with_no_sample_an_epoch_is_refused_not_spun(arrays, n, world, even):
+    """2 samples on 3 ranks with even="drop" give every rank 0 samples an epoch: forever() looked for the next
+    sample epoch after epoch without end, on the pipeline's thread (a PoolStarved that blamed a slow iterable,
+    the thread spinning on after close, or a hang without pop_timeout_s)."""
+    from stoker.train import CropBatches
+
+    src = stoker.SampleList([stoker.Sample(arrays[0], [(0, 2), (0, 2)])] * n)
+    share = src.for_rank(world - 1, world, even=even)
+    with pytest.raises(stoker.InvalidArgument, match="no samples"):
+        share.forever()
+    cfg = stoker.Config(batch_size=1, dtype="native", device="cpu", n_compute_threads=1, host_buffer_bytes=8 << 20,
+                        pop_timeout_s=None)
+    with CropBatches(share, cfg) as data, pytest.raises(stoker.InvalidArgument, match="no samples"):
+        iter(data)
+    assert list(share) == []  # one epoch of nothing is no error

@@ -29,6 +29,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from . import partition
 from .cursor import CursorState, EpochCursor
 from .field import Field, MaskedVolume, check_fields, open_volume
 from ..checks import integer, integers
@@ -807,7 +808,17 @@ class RankShare:
         return _Cursor(self, forever=False)
 
     def forever(self) -> "_Cursor":
-        """An endless iterator: this epoch's remaining samples, then the next epochs'."""
+        """An endless iterator: this epoch's remaining samples, then the next epochs'. InvalidArgument when an
+        epoch gives this rank no sample (fewer samples than ranks with ``even="drop"``, or an empty source):
+        the next sample would be looked for epoch after epoch, for ever."""
+        each = partition.per_rank(len(self.source), self.world_size, self.even)
+        if each == 0:
+            fix = "give it samples" if not len(self.source) else \
+                "use more samples (samples_per_epoch), fewer ranks, or even='wrap'"
+            raise InvalidArgument(
+                f"{type(self.source).__name__} of {len(self.source)} samples split over {self.world_size} ranks "
+                f"with even={self.even!r} gives each rank no samples an epoch, so an endless iteration would never "
+                f"yield one; {fix}", knob="even")
         return _Cursor(self, forever=True)
 
     # -- state ------------------------------------------------------------------------------
