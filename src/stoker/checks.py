@@ -40,6 +40,33 @@ def integer(name: str, value: Any, low: int, *, optional: bool = False, **contex
     return int(value)
 
 
+def integers(name: str, values: Any, low: int, **context: Any) -> tuple[int, ...]:
+    """``values`` (a sequence: a shape, a stride, a scale per axis) as a tuple of ints, each a whole number
+    ``>= low``: numpy integers and whole floats (``64 / 2``) are the integers they hold; a fraction, a bool or a
+    string is refused, never truncated into another shape than asked. ``context`` is attached to the error.
+
+    >>> integers("sample_shape", (4, 8.0), 1)
+    (4, 8)
+    >>> integers("sample_shape", (2.5, 4), 1)
+    Traceback (most recent call last):
+    stoker.errors.InvalidArgument: sample_shape must be a sequence of integers >= 1, got (2.5, 4)
+    """
+    try:
+        items = list(values) if not isinstance(values, (str, bytes)) else None
+    except TypeError:
+        items = None
+    if items is None or not all(_whole(v) and v >= low for v in items):
+        raise InvalidArgument(f"{name} must be a sequence of integers >= {low}, got {values!r}", **context)
+    return tuple(int(v) for v in items)
+
+
+def _whole(value: Any) -> bool:
+    """An integer (numpy's too) or a float holding one; not a bool."""
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, numbers.Integral) or (isinstance(value, numbers.Real) and float(value).is_integer())
+
+
 @overload
 def seconds(name: str, value: Any, *, optional: Literal[False] = ..., finite: bool = ..., **context: Any) -> float: ...
 @overload

@@ -15,7 +15,7 @@ from typing import Any, cast
 
 import torch
 
-from .checks import integer, seconds
+from .checks import integer, integers, seconds
 from .errors import InvalidArgument
 from .storage.diskcache import CacheSettings, cache_settings
 from .storage.locate import check_options_by_prefix
@@ -181,14 +181,8 @@ class Config:
             value = integer(f"Config.{name}", getattr(self, name), low, optional=name == "n_compute_threads", knob=name)
             object.__setattr__(self, name, value)
         if self.sample_shape is not None:
-            try:
-                shape = tuple(int(s) for s in self.sample_shape)
-            except (TypeError, ValueError):
-                raise InvalidArgument(
-                    f"Config.sample_shape must be a sequence of positive integers, got {self.sample_shape!r}",
-                    knob="sample_shape",
-                ) from None
-            if not shape or any(s < 1 for s in shape):
+            shape = integers("Config.sample_shape", self.sample_shape, 1, knob="sample_shape")  # 2.5 is no 2
+            if not shape:
                 raise InvalidArgument(
                     f"Config.sample_shape must be non-empty with every extent >= 1, got {self.sample_shape!r}",
                     knob="sample_shape",

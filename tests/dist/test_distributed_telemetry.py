@@ -45,6 +45,7 @@ def rank_metrics(rank: int) -> dict:
         "flag": rank == 1,  # bool, True on one rank only
         "whole_float": 3.0,  # a float that looks like an int stays a float
         "mid": float((rank * 5) % 3),  # max on neither the first nor the last rank
+        "mixed": 0 if rank == 0 else 0.5 * rank + 0.25,  # an int 0 on rank 0 (not yet measured), fractions after
     }
 
 
@@ -188,6 +189,7 @@ def test_reduce_max_per_key_max_and_types(group_run):
     expected = typed(expected)
     assert expected["flag"] == ["bool", True]  # the max of bools is "any rank True"
     assert expected["rss_bytes"][0] == "int" and expected["whole_float"] == ["float", 3.0]
+    assert expected["mixed"][0] == "float"  # rank 0's int 0 does not truncate the others' fractional max
     for res in results:
         assert res["reduce_max"] == expected
         assert res["reduce_max_reordered"] == expected

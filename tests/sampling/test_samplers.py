@@ -438,3 +438,43 @@ def test_a_source_lacking_what_is_needed_gets_a_typed_error_naming_it(arrays):
     assert e.value.method == "__len__"
     with pytest.raises(stoker.IncompleteSource, match=r"does not implement sample\(\)"):
         stoker.SampleSource.sample(_Lengthless(), 0, 0)
+
+
+@pytest.mark.parametrize("policy", sh.POLICIES)
+@pytest.mark.parametrize("steps", [0, 1, 2, 3])
+def test_a_resume_on_the_same_split_continues_exactly_its_wrapped_tail_too(policy, steps):
+    """10 samples on 3 ranks: 4 each, the short ranks wrap to the start. A state saved after ``steps`` samples
+    and loaded on the same split gives every rank the rest of its uninterrupted share, the wrapped samples
+    included (before, the saved run's rest was split anew, and a short rank wrapped into it instead)."""
+    src = stoker.SampleList([stoker.Sample(f"x{i}.zarr", [(0, 1)]) for i in range(10)], shuffle=True, seed=2)
+    states = []
+    for rank in range(3):
+        it = iter(src.for_rank(rank, 3, policy))
+        for _ in range(steps):
+            next(it)
+        states.append(it.state_after(steps))
+    for rank in range(3):
+        whole = list(src.for_rank(rank, 3, policy))
+        for state in (states[rank], states[0]):  # its own state, or rank 0's (the ranks are in lockstep)
+            resumed = src.for_rank(rank, 3, policy)
+            resumed.load_state_dict(state)
+            assert list(resumed) == whole[steps:]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("n, world, even", [(2, 3, "drop"), (0, 1, "wrap"), (0, 2, "drop")])
+def test_an_endless_share_with_no_sample_an_epoch_is_refused_not_spun(arrays, n, world, even):
+    """2 samples on 3 ranks with even="drop" give every rank 0 samples an epoch: forever() looked for the next
+    sample epoch after epoch without end, on the pipeline's thread (a PoolStarved that blamed a slow iterable,
+    the thread spinning on after close, or a hang without pop_timeout_s)."""
+    from stoker.train import CropBatches
+
+    src = stoker.SampleList([stoker.Sample(arrays[0], [(0, 2), (0, 2)])] * n)
+    share = src.for_rank(world - 1, world, even=even)
+    with pytest.raises(stoker.InvalidArgument, match="no samples"):
+        share.forever()
+    cfg = stoker.Config(batch_size=1, dtype="native", device="cpu", n_compute_threads=1, host_buffer_bytes=8 << 20,
+                        pop_timeout_s=None)
+    with CropBatches(share, cfg) as data, pytest.raises(stoker.InvalidArgument, match="no samples"):
+        iter(data)
+    assert list(share) == []  # one epoch of nothing is no error

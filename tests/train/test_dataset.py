@@ -411,3 +411,33 @@ def test_a_grid_is_read_as_far_ahead_as_it_asks_when_it_fits(tmp_path):
     assert executor.lookahead == wished and executor.n_slots == wished + 1
     n += sum(1 for _ in it)
     assert n == 8
+
+
+def _rows(ctx, ds):
+    """The first index of every sample this rank's dataset yields, over the process group."""
+    import torch.distributed as dist
+
+    mine = [s.aabb[0][0] for samples, _ in ds for s in samples]
+    out = [None] * ctx.world_size
+    dist.all_gather_object(out, mine)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_state_loaded_before_the_process_group_resumes_the_split_it_was_saved_on(group):
+    """7 samples on 2 ranks: 4 each, rank 1 wraps to the epoch's first. A dataset built and given a 2-rank
+    state before init_process_group (as rank 0 of 1) kept that state as a 1-rank one, whose 2-rank run was
+    an earlier run: in the ranks the rest was split anew, and rank 1 wrapped into the rest (sample 2)
+    rather than to the epoch's start (sample 0), unlike the run that was not stopped."""
+    import stoker.train as st
+
+    uris, _ = group
+    src = stoker.SampleList([stoker.Sample(uris, [(i, i + 1), (0, 8), (0, 8)]) for i in range(7)])
+    cfg = stoker.Config(**{**CFG, "batch_size": 1})
+    whole = [[s.aabb[0][0] for s in src.for_rank(r, 2)] for r in range(2)]
+    assert whole == [[0, 2, 4, 6], [1, 3, 5, 0]]
+    it = iter(src.for_rank(0, 2))
+    next(it)
+    ds = stoker.CropDataset(src, cfg, with_samples=True)  # no process group yet: rank 0 of 1
+    ds.load_state_dict(it.state_after(1))
+    assert st.launch(_rows, ds, nprocs=2, use_cuda=False) == [w[1:] for w in whole]

@@ -888,3 +888,27 @@ def test_telemetry_marks_the_steps_a_resumed_run_replays(tmp_path):
     from stoker.cli.plots import read_telemetry
 
     assert read_telemetry(tmp_path / "run")["loss"][5] == pytest.approx(second.losses[5])  # the last one wins
+
+
+def test_every_evaluation_over_a_crop_dataset_sees_the_same_samples(volume):
+    """Each iteration of a CropDataset runs the next epoch, so every evaluation over RandomCrops drew other
+    crops: the eval losses of one run were over different samples, and a resumed run (a fresh dataset, at
+    epoch 0 again) evaluated other samples than the uninterrupted run did at the same step. Every
+    evaluation of a Trainer now starts where its first one over that data started, directly or through a
+    DataLoader."""
+    from torch.utils.data import DataLoader
+
+    def make():
+        src = stoker.RandomCrops([volume], sample_shape=(4, 8, 8), seed=0, samples_per_epoch=6).for_rank(0, 1)
+        return stoker.CropDataset(src, stoker.Config(batch_size=2, dtype="f32", device="cpu", n_compute_threads=1,
+                                                     host_buffer_bytes=16 << 20), copy=True)
+
+    def mean(model, batch):  # the loss says which crops were read
+        return batch.double().mean().float()
+
+    for wrap in (lambda ds: ds, lambda ds: DataLoader(ds, batch_size=None)):
+        trainer = _trainer(loss_fn=mean)
+        data = wrap(make())
+        losses = [trainer.evaluate(data) for _ in range(3)]
+        fresh = _trainer(loss_fn=mean).evaluate(wrap(make()))  # a resumed run's first evaluation
+        assert losses[0] == losses[1] == losses[2] == fresh

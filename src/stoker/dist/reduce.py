@@ -50,7 +50,8 @@ def reduce_max(metrics: Mapping[str, Any], group: Any = None) -> dict[str, Any]:
     Collective: call it on every rank of the group, with the same keys on every rank
     (not checked: different keys pair up wrong values or hang), then gate writing on
     rank 0. Returns a new dict; the input is not changed. Types follow the local
-    value: ``int`` stays ``int``, ``bool`` stays ``bool`` (max over ranks is "any rank
+    value: ``int`` stays ``int`` (unless the max is another rank's fractional float: that
+    float, never truncated), ``bool`` stays ``bool`` (max over ranks is "any rank
     True"), every other real number becomes ``float``. NaN handling is the backend's.
     With an empty dict, no initialised group, or a group of one, no collective runs
     and the values come back as they are.
@@ -71,8 +72,8 @@ def reduce_max(metrics: Mapping[str, Any], group: Any = None) -> dict[str, Any]:
         value = reduced[key]
         if isinstance(local, bool):
             out[key] = value != 0.0
-        elif isinstance(local, numbers.Integral) and math.isfinite(value):
+        elif isinstance(local, numbers.Integral) and math.isfinite(value) and value.is_integer():
             out[key] = int(value)  # exact: ints up to 2**53 survive the float64 round trip
-        else:
-            out[key] = value
+        else:  # a float; also a local int's max that is another rank's fraction (an int 0 on a rank that has
+            out[key] = value  # not measured yet, 0.75 on another), which int() truncated on the rank that writes
     return out

@@ -17,6 +17,7 @@ voxels around the 96^3 raw crop.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from typing import Any, Mapping, NamedTuple, Sequence
 
@@ -62,8 +63,8 @@ class Field:
         self.offset = (0,) * len(self.shape) if offset is None else _ints(offset, "Field offset")
         if scale is None:
             self.scale: tuple[int, ...] | None = None
-        elif isinstance(scale, int) and not isinstance(scale, bool):
-            self.scale = (scale,) * len(self.shape)
+        elif isinstance(scale, numbers.Integral) and not isinstance(scale, bool):  # numpy's integers too
+            self.scale = (int(scale),) * len(self.shape)
         else:
             self.scale = _ints(scale, "Field scale")
         for what, value in (("offset", self.offset), ("scale", self.scale)):

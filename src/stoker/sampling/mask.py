@@ -25,11 +25,13 @@ with the full-resolution volume. Anchors are then drawn uniformly among those in
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
+from ..checks import integer, integers
 from ..errors import InvalidArgument
 
 if TYPE_CHECKING:
@@ -59,14 +61,13 @@ class Mask:
         if not isinstance(field, str) or not field:
             raise InvalidArgument(f"Mask field must name a field of the sampler, got {field!r}", knob="field")
         self.field = field
-        if isinstance(scale, bool) or not (scale is None or isinstance(scale, (int, list, tuple))):
+        if isinstance(scale, bool) or not (scale is None or isinstance(scale, (numbers.Integral, list, tuple))):
             raise InvalidArgument(f"Mask scale must be an int >= 1 or one per axis, got {scale!r}", knob="scale")
-        self.scale: int | tuple[int, ...] | None = \
-            scale if scale is None or isinstance(scale, int) else tuple(int(s) for s in scale)
-        given = (self.scale,) if isinstance(self.scale, int) else self.scale or ()
-        if any(s < 1 for s in given):
-            raise InvalidArgument(f"Mask scale {self.scale} must be >= 1 (reference voxels per mask voxel)",
-                                  knob="scale")
+        self.scale: int | tuple[int, ...] | None = None
+        if isinstance(scale, numbers.Integral):  # numpy's integers too
+            self.scale = integer("Mask scale (reference voxels per mask voxel)", scale, 1, knob="scale")
+        elif scale is not None:  # one per axis: a fraction is refused, not truncated into another scale
+            self.scale = integers("Mask scale (reference voxels per mask voxel)", scale, 1, knob="scale")
 
     def plain(self) -> dict:
         """The mask as JSON data (part of a sampler's identity)."""

@@ -29,8 +29,10 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from . import partition
 from .cursor import CursorState, EpochCursor
 from .field import Field, MaskedVolume, check_fields, open_volume
+from ..checks import integer, integers
 from ..dist.collectives import resolve_rank
 from ..errors import IncompleteSource, InvalidArgument, NotYetSupported
 from .permutation import ORDER_VERSION, Permutation
@@ -255,6 +257,8 @@ class RandomCrops(SampleSource):
                  storage_options: dict | None = None, mask: Any = None, pad: str | None = None,
                  region: dict | None = None) -> None:
         self.pad = check_pad(pad, "RandomCrops")
+        samples_per_epoch = _epoch_length(samples_per_epoch)  # before any array or mask is read
+        seed = _seed(seed, "RandomCrops")
         volumes = _volumes_given(arrays)
         if volumes is not None:
             if sample_shape is not None:
@@ -274,9 +278,7 @@ class RandomCrops(SampleSource):
         self.arrays = _entries(arrays, "RandomCrops")
         if not self.arrays:
             raise InvalidArgument("RandomCrops needs at least one array")
-        self.sample_shape = tuple(int(s) for s in sample_shape)
-        if any(c < 1 for c in self.sample_shape):
-            raise InvalidArgument(f"RandomCrops: sample_shape {self.sample_shape} must be >= 1 on every axis")
+        self.sample_shape = integers("RandomCrops: sample_shape", sample_shape, 1, knob="sample_shape")
         self.seed = int(seed)
         self.shapes = _entry_shapes(self.arrays, storage_options)
         for uri, shape in zip(self.arrays, self.shapes):
@@ -288,12 +290,13 @@ class RandomCrops(SampleSource):
         # per array and axis the first box start and how many there are (a region may restrict them; a padded
         # crop longer than its axis covers it, the axis anywhere inside it: first start below 0)
         self._lo, self._limits, spans = _anchors(self, region, storage_options)
-        raw = np.asarray(spans if weights is None else weights, dtype=np.float64)
+        raw = np.asarray(spans, dtype=np.float64) if weights is None else _raw_weights(weights, len(self.arrays))
         if raw.shape == (len(self.arrays),):  # a region that leaves an array no box start is what to say first
             _check_drawable(self, raw)
         self.weights = _weights(weights, spans, len(self.arrays))
-        if samples_per_epoch:
-            count = _epoch_length(samples_per_epoch)
+        given = _epoch_length(samples_per_epoch)
+        if given is not None:
+            count = given
         else:  # the crops that tile the data once
             count = max(1, sum(spans) // math.prod(self.sample_shape))
             if count > MAX_SAMPLES:
@@ -323,8 +326,9 @@ class RandomCrops(SampleSource):
             stores.close()
         anchors = [len(mv.qualifying) if mv.qualifying is not None else mv.volume.n_anchors for mv in self.volumes]
         self.weights = _weights(weights, anchors, len(volumes))
-        if samples_per_epoch:
-            count = _epoch_length(samples_per_epoch)
+        given = _epoch_length(samples_per_epoch)
+        if given is not None:
+            count = given
         else:  # the crops of each volume's first field that tile its arrays once (those that qualify)
             count = 0
             for mv, n in zip(self.volumes, anchors):
@@ -462,16 +466,36 @@ def _digest(index: np.ndarray) -> list:
 
 def _weights(weights: Sequence[float] | None, default: Sequence[float], n: int) -> np.ndarray:
     """The sampling weights of ``n`` volumes, normalised (``default`` unless ``weights`` is given)."""
-    w = np.asarray(default if weights is None else weights, dtype=np.float64)
-    if w.shape != (n,) or (w < 0).any() or not w.sum() > 0:
-        raise InvalidArgument(f"weights must be {n} non-negative numbers, not all zero")
+    w = _raw_weights(default if weights is None else weights, n)
     return w / w.sum()
 
 
-def _epoch_length(samples_per_epoch: int) -> int:
-    count = int(samples_per_epoch)
-    if not 1 <= count <= MAX_SAMPLES:
-        raise InvalidArgument(f"RandomCrops: samples_per_epoch must be in [1, 2**62], got {count}")
+def _raw_weights(weights: Any, n: int) -> np.ndarray:
+    """``weights`` as ``n`` finite non-negative float64 numbers, not all zero (an infinite one would leave the
+    others NaN once normalised), else InvalidArgument."""
+    try:
+        w = np.asarray(weights, dtype=np.float64)
+    except (TypeError, ValueError):
+        w = None
+    if w is None or w.shape != (n,) or not np.isfinite(w).all() or (w < 0).any() or not w.sum() > 0:
+        raise InvalidArgument(f"weights must be {n} finite non-negative numbers, not all zero, got {weights!r}",
+                              knob="weights")
+    return w
+
+
+def _seed(seed: Any, who: str) -> int:
+    """``seed`` checked: an integer >= 0 (numpy's seeding refuses a negative one, at the first draw; a fraction
+    would be truncated into another order), as the records Loader checks its seed."""
+    return integer(f"{who}: seed", seed, 0, knob="seed")
+
+
+def _epoch_length(samples_per_epoch: Any) -> int | None:
+    """``samples_per_epoch`` checked: an integer in ``[1, 2**62]``, or None for the default. A 0, a fraction or
+    a bool is refused: read as "the default", or truncated, it would change the epoch without saying so."""
+    count = integer("RandomCrops: samples_per_epoch", samples_per_epoch, 1, optional=True, knob="samples_per_epoch")
+    if count is not None and count > MAX_SAMPLES:
+        raise InvalidArgument(f"RandomCrops: samples_per_epoch must be in [1, 2**62], got {count}",
+                              knob="samples_per_epoch")
     return count
 
 
@@ -524,6 +548,7 @@ class TileGrid(SampleSource):
                  stride: Sequence[int] | None = None, shuffle: bool = False, seed: int = 0,
                  storage_options: dict | None = None, pad: Any = None) -> None:
         self.pad = None if pad is False else check_pad(pad, "TileGrid")
+        seed = _seed(seed, "TileGrid")
         volumes = _volumes_given(arrays)
         self.volumes: list[MaskedVolume] | None = None
         if volumes is not None:
@@ -535,12 +560,11 @@ class TileGrid(SampleSource):
         if sample_shape is None:
             raise InvalidArgument("TileGrid over arrays needs sample_shape (the tile's shape)", knob="sample_shape")
         self.arrays = _entries(arrays, "TileGrid")
-        self.sample_shape = tuple(int(s) for s in sample_shape)
-        self.stride = tuple(int(s) for s in (stride or self.sample_shape))
-        if any(s < 1 for s in self.stride) or len(self.stride) != len(self.sample_shape):
-            raise InvalidArgument(f"stride must be {len(self.sample_shape)} positive integers, got {self.stride}")
-        if any(c < 1 for c in self.sample_shape):
-            raise InvalidArgument(f"TileGrid: sample_shape {self.sample_shape} must be >= 1 on every axis")
+        self.sample_shape = integers("TileGrid: sample_shape", sample_shape, 1, knob="sample_shape")
+        self.stride = self.sample_shape if stride is None else integers("TileGrid: stride", stride, 1, knob="stride")
+        if len(self.stride) != len(self.sample_shape):
+            raise InvalidArgument(f"stride must be {len(self.sample_shape)} positive integers, got {self.stride}",
+                                  knob="stride")
         if self.pad is not None and any(st > c for st, c in zip(self.stride, self.sample_shape)):
             raise InvalidArgument(f"TileGrid(pad={self.pad!r}): stride {self.stride} exceeds the tile "
                                   f"{self.sample_shape} on some axis; a padded grid's tile centres (the tile less "
@@ -598,8 +622,8 @@ class TileGrid(SampleSource):
                     "fields' scales) on some axis, so tiles every step would leave voxels between them unread; "
                     "make the first field's box at least one step long on each axis, or pass a stride (one "
                     "larger than the box leaves those gaps on purpose)", knob="stride")
-        self.stride = tuple(int(s) for s in stride)
-        if len(self.stride) != ndim or any(s < 1 for s in self.stride):
+        self.stride = integers("TileGrid: stride", stride, 1, knob="stride")
+        if len(self.stride) != ndim:
             raise InvalidArgument(f"TileGrid: stride must be {ndim} positive integers, got {self.stride}", knob="stride")
         self._counts, self._offsets, self._lattice_stride, self._starts = [], [0], [], []
         for i, mv in enumerate(self.volumes):
@@ -701,6 +725,7 @@ class SampleList(SampleSource):
     def __init__(self, samples: Sequence[Sample], shuffle: bool = False, seed: int = 0,
                  complete: bool = False) -> None:
         self.complete_epochs = bool(complete)
+        seed = _seed(seed, "SampleList")
         self.samples = list(samples)
         if not all(isinstance(s, Sample) for s in self.samples):
             raise InvalidArgument("SampleList takes stoker.Sample objects")
@@ -775,14 +800,25 @@ class RankShare:
         return max(0, len(self.cursor.share()) - self.cursor.steps)
 
     def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch`` from its beginning (call it on every rank, like DistributedSampler's)."""
-        self.cursor.place(int(epoch), [], 0)
+        """Start ``epoch`` from its beginning (call it on every rank, like DistributedSampler's); an integer
+        >= 0 (InvalidArgument otherwise: a negative epoch has no order, a fraction would run another epoch)."""
+        self.cursor.place(integer("set_epoch: epoch", epoch, 0, knob="epoch"), [], 0)
 
     def __iter__(self) -> "_Cursor":
         return _Cursor(self, forever=False)
 
     def forever(self) -> "_Cursor":
-        """An endless iterator: this epoch's remaining samples, then the next epochs'."""
+        """An endless iterator: this epoch's remaining samples, then the next epochs'. InvalidArgument when an
+        epoch gives this rank no sample (fewer samples than ranks with ``even="drop"``, or an empty source):
+        the next sample would be looked for epoch after epoch, for ever."""
+        each = partition.per_rank(len(self.source), self.world_size, self.even)
+        if each == 0:
+            fix = "give it samples" if not len(self.source) else \
+                "use more samples (samples_per_epoch), fewer ranks, or even='wrap'"
+            raise InvalidArgument(
+                f"{type(self.source).__name__} of {len(self.source)} samples split over {self.world_size} ranks "
+                f"with even={self.even!r} gives each rank no samples an epoch, so an endless iteration would never "
+                f"yield one; {fix}", knob="even")
         return _Cursor(self, forever=True)
 
     # -- state ------------------------------------------------------------------------------
@@ -795,7 +831,10 @@ class RankShare:
         return self.cursor.state(self._order()).to_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from ``state`` (saved with any world size): nothing repeated or skipped in the epoch."""
+        """Continue from ``state`` (saved with any world size): nothing repeated or skipped in the epoch. On
+        the split it was saved on (world size, policy, even) every rank continues its share exactly as an
+        uninterrupted run would, the wrapped tail of a short rank too; on another split what the saved run
+        left is split anew."""
         saved = CursorState.from_dict(state)
         if saved.order.get("fingerprint") != self.source.fingerprint:
             shuffled = (f"; a state of a shuffled order other than {ORDER_VERSION} (saved by an earlier stoker) "
@@ -805,7 +844,7 @@ class RankShare:
                 f"this source is {self.source.fingerprint!r}): the same arrays, sample shape, seed and settings "
                 f"are needed{shuffled}"
             )
-        self.cursor.load(saved, keep_split=False)
+        self.cursor.load(saved, keep_split=True)
 
 
 class _Cursor:

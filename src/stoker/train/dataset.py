@@ -12,6 +12,7 @@ carries this dataset's position (see docs/dataloader.md).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from typing import Any, Iterator
@@ -99,7 +100,10 @@ class CropDataset(torch.utils.data.IterableDataset):
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state`` at the next ``iter()`` (a state of this dataset, or of a pipeline's source,
         saved on any world size). An iteration under way ends."""
-        self._state = self._fresh(state).state_dict()  # checks the fingerprint now
+        self._fresh(state)  # checks the fingerprint and the state now
+        # kept as given, not as this split's reading of it: a dataset given a state before the process group
+        # is up (rank 0 of 1 then) resumes it on the split it was saved on exactly, its wrapped tail too
+        self._state = copy.deepcopy(dict(state))
         self._stop()
 
     def set_epoch(self, epoch: int) -> None:

@@ -35,6 +35,7 @@ What it does for you, on every rank in lockstep:
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import random
 from collections import abc
@@ -221,6 +222,7 @@ class Trainer:
         self._buffer_backup: dict[str, torch.Tensor] = {}  # the buffers before this step's forwards
         self._fitted = False  # only the first fit resumes from a checkpoint
         self._epochs: _Epochs | None = None
+        self._eval_starts: list[tuple[Any, Any]] = []  # (eval data, its position at its first evaluation)
         self._log_mark = (0.0, 0.0)  # (perf_counter, samples of all ranks) at the last telemetry record
 
     # -- collectives -------------------------------------------------------------------------
@@ -503,9 +505,12 @@ class Trainer:
         states (a ``loss_fn`` that draws noise) are as before, so evaluating never changes the training run.
         Ranks may hold different numbers of batches; every rank must call it. ``data`` is iterated once per
         call and must end, and be iterable again for the next call: a list, a CropDataset, a DataLoader;
-        not a generator or a CropBatches (InvalidArgument)."""
+        not a generator or a CropBatches (InvalidArgument). Data that keeps a position (a CropDataset, also
+        in a DataLoader) is rewound to where the first evaluation over it started: every evaluation sees the
+        same samples, also in a resumed run, not the next epoch of its source."""
         _check_eval_data(data)
         mark(self.step, "eval")
+        self._rewind(data)
         rng = _rng_state()
         was_training = self.module.training
         self.module.eval()
@@ -531,6 +536,22 @@ class Trainer:
         if count == 0:
             raise InvalidArgument(f"eval_data ({type(data).__name__}) yields no batches on any rank")
         return total / count
+
+    def _rewind(self, data: Any) -> None:
+        """Start an evaluation over ``data`` where this Trainer's first evaluation over it started, when it
+        keeps a position (a CropDataset, directly or as a DataLoader's dataset; a StatefulDataLoader): each
+        iteration of a CropDataset runs its next epoch, so evaluations over RandomCrops would each see other
+        crops, and a resumed run (a fresh dataset) other crops than the uninterrupted one at the same step."""
+        target = next((obj for obj in (data, getattr(data, "dataset", None))
+                       if callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))),
+                      None)
+        if target is None:
+            return  # a list, a DataLoader over a map-style dataset: the same batches every pass
+        for obj, start in self._eval_starts:
+            if obj is target:
+                target.load_state_dict(copy.deepcopy(start))
+                return
+        self._eval_starts.append((target, copy.deepcopy(target.state_dict())))
 
     def _optimizer_step(self) -> None:
         if self.grad_clip is not None:
