@@ -212,7 +212,7 @@ class Pipeline:
     def _pop(self, limit: float | None, deadline: float | None) -> tuple[Any, list[bool]]:
         t0 = time.perf_counter()
         coordinator = self._coordinator
-        collector = _Collector(self._executors())
+        collector = _Collector(self._consumer_holds_all)
         while True:
             with self._cond:
                 self._raise_if_unusable()
@@ -350,7 +350,7 @@ class Pipeline:
     def _starved_message(self, limit: float) -> str:
         with self._cond:
             n_slots = self._executor.n_slots
-            if _all_slots_held(self._executors()):
+            if self._consumer_holds_all():
                 return (
                     f"no batch within pop_timeout_s={limit}: the consumer holds all {n_slots} batch slots. "
                     "Release batches (use `with p.pop() as batch:`), drop tensors made from old batches, or "
@@ -362,6 +362,15 @@ class Pipeline:
                 return f"no batch within pop_timeout_s={limit}: {why}"
             return (f"no batch within pop_timeout_s={limit}: {in_flight} batches in flight; storage or "
                     "decoding is slower than the timeout (raise pop_timeout_s or check p.stats())")
+
+    def _consumer_holds_all(self) -> bool:
+        """Whether the consumer holds every batch slot of an executor (a lane's, for fields), released or not:
+        no batch can be made until a view of one dies. Slots of batches still in flight are not the consumer's:
+        with all of them in flight (slow or hung storage) it holds none and has nothing to release."""
+        with self._cond:
+            coordinator = self._coordinator
+            return any(e.dtype is not None and e.held() - coordinator.slots_in_flight(e) >= e.n_slots
+                       for e in self._executors())
 
     def batches(self, n: int) -> Iterator[Batch | FieldBatch]:
         """Yield ``n`` batches (each released when the next is requested)."""
@@ -399,7 +408,7 @@ class Pipeline:
         """True once a batch is in flight; False when nothing more can come from what was pushed.
         PoolStarved past ``deadline`` (the coordinator may be waiting for a slot the consumer holds)."""
         intake, coordinator = self._intake, self._coordinator
-        collector = _Collector(self._executors())
+        collector = _Collector(self._consumer_holds_all)
         while True:
             with self._cond:
                 self._raise_if_unusable()
@@ -511,13 +520,13 @@ class Pipeline:
             pass
 
 
-#: how long a consumer waits for a batch while every slot is held, released or not, before Python's garbage
+#: how long a consumer waits for a batch while it holds every slot, released or not, before Python's garbage
 #: collector is run (a view may be held by a reference cycle alone), then twice as long after each collection
 COLLECT_AFTER_S = 0.25
 
 
 class _Collector:
-    """Runs a garbage collection for a consumer kept waiting because every batch slot is held.
+    """Runs a garbage collection for a consumer kept waiting because it holds every batch slot.
 
     A released slot is reused once no tensor views it; a view may be held by garbage alone (a reference
     cycle: an exception kept with its traceback, whose frames hold a batch), which only Python's collector
@@ -525,8 +534,8 @@ class _Collector:
     to run it: after :data:`COLLECT_AFTER_S` of such a wait, then after twice as long each time. Nothing
     runs while batches flow, or while the wait is for storage or decoding."""
 
-    def __init__(self, executors: list) -> None:
-        self.executors = executors
+    def __init__(self, consumer_holds_all: Any) -> None:
+        self.consumer_holds_all = consumer_holds_all  # Pipeline._consumer_holds_all
         self.since = time.monotonic()
         self.after = COLLECT_AFTER_S
 
@@ -534,7 +543,7 @@ class _Collector:
         now = time.monotonic()
         if now - self.since < self.after:
             return
-        if _all_slots_held(self.executors):
+        if self.consumer_holds_all():
             gc.collect()
             self.after *= 2
         self.since = time.monotonic()
@@ -554,12 +563,6 @@ def _threads_of(p: Pipeline) -> list[threading.Thread]:
     if p._coordinator is None:
         return []
     return [t for e in p._executors() for t in e.threads()] + p._coordinator.threads()
-
-
-def _all_slots_held(executors: list) -> bool:
-    """Whether every batch slot of one of ``executors`` (a lane's, for fields) is held, released or not: no
-    batch can be made until a view of one dies."""
-    return any(e.dtype is not None and e.held() >= e.n_slots for e in executors)
 
 
 def _deadline(limit: float | None) -> float | None:
