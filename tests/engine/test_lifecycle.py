@@ -206,6 +206,71 @@ def test_ctrl_c_anywhere_in_pop_loses_no_batch_and_state_counts_only_received(vo
             torch.testing.assert_close(x[row], torch.from_numpy(crop) * scale)
 
 
+@pytest.mark.timeout(60)
+def test_a_close_cut_short_by_ctrl_c_is_finished_by_the_next_close(tmp_path, decode_path):
+    """Ctrl-C while ``close()`` waits for the coordinator (its source blocked in ``next``): the rest of the close
+    still runs, and a later ``close()`` finishes what is left. A second close returned at once, as if the first
+    had ended: the executor and the store were never closed, so the pipeline's descriptors of the shards it had
+    read stayed open for the life of the process (two a pipeline), and its slots never went back."""
+    import signal
+    import threading
+
+    import zarr
+
+    data = np.arange(32 * 64 * 64, dtype="float32").reshape(32, 64, 64)
+    z = zarr.create_array(str(tmp_path / "s.zarr"), shape=data.shape, chunks=(8, 16, 16), shards=(16, 32, 32),
+                          dtype="float32")
+    z[:] = data
+    uri = str(tmp_path / "s.zarr")
+
+    def fds_under() -> list[str]:
+        out = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith(uri):
+                out.append(target)
+        return out
+
+    gate = threading.Event()
+
+    def blocked():
+        yield from random_crops(uri, data.shape, CROP, 8)
+        gate.wait(30)  # a source waiting for samples that do not come
+
+    cfg = stoker.Config(batch_size=2, dtype="f32", host_buffer_bytes=64 << 20, n_io_threads=2, n_compute_threads=2,
+                        pop_timeout_s=10, device="cpu")
+    p = stoker.Pipeline(cfg)
+    try:
+        p.push(blocked())
+        for _ in range(4):
+            p.pop().release()
+        assert fds_under(), "the test needs a pipeline holding its shards open"
+        waits = []
+        join = p._coordinator.join
+
+        def join_then_ctrl_c(timeout):  # Ctrl-C lands in close's wait for the coordinator, blocked in the source
+            waits.append(timeout)
+            if len(waits) == 1:
+                signal.raise_signal(signal.SIGINT)
+            join(timeout)
+
+        p._coordinator.join = join_then_ctrl_c
+        with pytest.raises(KeyboardInterrupt):
+            p.close()
+        assert fds_under() == []  # the close went on past the interrupt
+        p.close()
+        assert fds_under() == []
+        assert p._executor.host_slots.slots == []  # its slots went back
+        with pytest.raises(stoker.ShutdownError):
+            p.pop()
+    finally:
+        gate.set()
+        p.close()
+
+
 # -- exit with a pipeline open ---------------------------------------------------------------------------------
 
 EXIT_SCRIPT = """

@@ -124,7 +124,12 @@ class Pipeline:
         self._coordinator = Coordinator(cfg, self._intake, self._executor, self._stats, self._store, lanes)
         self._error: BaseException | None = None
         self._error_tb: Any = None  # the sticky error's traceback as it came (each re-raise starts from it)
-        self._closed = False
+        self._closed = False  # refuses every call from here (set first by close)
+        # close's progress: under way, done, and the executors (ids) it stopped and closed so far, so a close an
+        # interrupt cut short is finished by the next (see close)
+        self._closing = self._close_done = False
+        self._stopped: set[int] = set()
+        self._shut: set[int] = set()
         self._pop_lock = threading.Lock()  # lock rank 1, the outermost: pop is single-consumer, pops take turns
         # a hand-over under way, or one an interrupt cut short: (its entry, what was received before it, the
         # consumer's thread); see _hand_over
@@ -463,41 +468,69 @@ class Pipeline:
         for until the same deadline. The CPU engine's threads are waited for a quarter of a second at its
         shutdown.
 
-        In a process forked from the one that made the pipeline it only drops it (see :meth:`_forget`)."""
+        In a process forked from the one that made the pipeline it only drops it (see :meth:`_forget`).
+
+        An interrupt (Ctrl-C) in the wait for the coordinator still closes the executors and the store before
+        it is raised, and a close an interrupt cut short anywhere is finished by the next ``close()`` (yours,
+        ``__del__``'s or the exit hook's), not taken for done."""
         if os.getpid() != self._pid:
             self._forget()
             return
         with self._cond:
-            if self._closed:
+            if self._close_done or self._closing:  # done, or under way on another thread
                 return
-            self._closed = True
-            self._coordinator.close()
-        stopped = self._executors()
-        for executor in stopped:
-            executor.shutdown()
-        self._coordinator.join(1.0)
-        # one wait for the threads and device streams of every executor, and one warning for those not done:
-        # a hung device holds the close CLOSE_WAIT_S once, not once per field
-        wait = CloseWait({id(lane.executor): f"field {lane.name!r}" for lane in self._coordinator.lanes})
-        errors = []
-        try:
-            for executor in self._executors():
-                try:  # (one executor's error closes the others still, then the store, then it is raised)
-                    if executor not in stopped:  # a field's lane made by a launch under way at the close
-                        executor.shutdown()
-                    if getattr(executor, "shares_close_wait", False):  # the GPU decode's and the hybrid's
-                        executor.close(wait)
-                    else:
-                        executor.close()
-                except BaseException as exc:  # noqa: BLE001 - raised below, once the rest is closed
-                    errors.append(exc)
-        finally:
+            self._closed = self._closing = True
             try:
-                self._store.close()
+                self._coordinator.close()
+            except BaseException:
+                self._closing = False  # the next close does it again
+                raise
+        try:
+            self._close_rest()
+        finally:
+            self._closing = False  # (a plain store: no lock an interrupt could leave taken)
+
+    def _close_rest(self) -> None:
+        """:meth:`close` after the coordinator was told to stop: each step is done once, those an interrupt cut
+        short again at the next close. Sets ``_close_done`` once every executor and the store are closed."""
+        for executor in self._executors():
+            if id(executor) not in self._stopped:
+                executor.shutdown()
+                self._stopped.add(id(executor))
+        try:
+            self._coordinator.join(1.0)
+        finally:  # an interrupt in the wait: the executors and the store still close, then it is raised
+            # one wait for the threads and device streams of every executor, and one warning for those not
+            # done: a hung device holds the close CLOSE_WAIT_S once, not once per field
+            wait = CloseWait({id(lane.executor): f"field {lane.name!r}" for lane in self._coordinator.lanes})
+            errors, cut = [], False
+            try:
+                for executor in self._executors():
+                    if id(executor) in self._shut:
+                        continue
+                    try:  # (one executor's error closes the others still, then the store, then it is raised)
+                        if id(executor) not in self._stopped:  # a field's lane made by a launch under way
+                            executor.shutdown()
+                            self._stopped.add(id(executor))
+                        if getattr(executor, "shares_close_wait", False):  # the GPU decode's and the hybrid's
+                            executor.close(wait)
+                        else:
+                            executor.close()
+                        self._shut.add(id(executor))
+                    except Exception as exc:  # noqa: BLE001 - raised below, once the rest is closed
+                        errors.append(exc)
+                        self._shut.add(id(executor))  # failed, not cut short: not closed again
+                    except BaseException as exc:  # noqa: BLE001 - an interrupt: the next close does it again
+                        errors.append(exc)
+                        cut = True
             finally:
-                wait.warn()
-        if errors:
-            raise errors[0]
+                try:
+                    self._store.close()
+                finally:
+                    wait.warn()
+            self._close_done = not cut
+            if errors:
+                raise errors[0]
 
     def _forget(self) -> None:
         """Close in a process forked from the pipeline's: its threads are the parent's and do not run here,
