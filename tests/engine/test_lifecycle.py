@@ -312,6 +312,45 @@ def test_a_script_that_ends_with_a_pipeline_open_exits_cleanly(volume, what):
         assert "terminate called" not in proc.stderr
 
 
+BLOCKED_SOURCE_EXIT_SCRIPT = """
+import atexit, sys, threading, time
+import stoker
+
+uri = sys.argv[1]
+marks = {}
+# registered before stoker's exit hook, so run after it: how long the exit took from the script's end
+atexit.register(lambda: print(f"exit hooks took {time.monotonic() - marks['end']:.2f} s", flush=True))
+never = threading.Event()
+
+def samples():  # a source waiting for samples that never come (a queue whose producer died)
+    for y in (0, 16, 32, 48):
+        yield stoker.Sample(uri, [(0, 8), (y, y + 16), (0, 16)])
+    never.wait()
+
+cfg = stoker.Config(batch_size=2, dtype="f32", host_buffer_bytes=64 << 20, pop_timeout_s=60, device="cpu")
+p = stoker.Pipeline(cfg)
+p.push(samples())
+for _ in range(2):
+    p.pop().release()
+time.sleep(0.2)  # the coordinator is inside the source's next() now
+print("left open", flush=True)
+marks["end"] = time.monotonic()
+"""
+
+
+def test_a_script_that_ends_with_its_source_blocked_exits_without_waiting_for_it(volume):
+    """A pipeline left open at exit whose sample source blocks for ever in ``next()`` (as at a Ctrl-C while the
+    consumer waits for it): the exit hook closes it and does not wait for the coordinator thread parked in the
+    user's source (it runs none of stoker's code, and would never end). The hook waited EXIT_WAIT_S (10 s) for
+    it, on top of the close's second: 11 s to exit."""
+    proc = _run(BLOCKED_SOURCE_EXIT_SCRIPT, volume[0], timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.split("\n")
+    assert lines[0] == "left open", proc.stdout
+    took = float(lines[1].split()[3])
+    assert took < 4.0, proc.stdout
+
+
 RECORDS_EXIT_SCRIPT = """
 import stoker.records
 

@@ -134,7 +134,7 @@ class Pipeline:
         # a hand-over under way, or one an interrupt cut short: (its entry, what was received before it, the
         # consumer's thread); see _hand_over
         self._handing: tuple[Any, Any, int] | None = None
-        lifetime.track(self, _threads_of)  # closed at interpreter exit if still open
+        lifetime.track(self, _threads_of, _parked)  # closed at interpreter exit if still open
 
     # -- what the executor and the coordinator hold (tests and the bench look at them) ------------
 
@@ -596,6 +596,15 @@ def _threads_of(p: Pipeline) -> list[threading.Thread]:
     if p._coordinator is None:
         return []
     return [t for e in p._executors() for t in e.threads()] + p._coordinator.threads()
+
+
+def _parked(p: Pipeline) -> list[threading.Thread]:
+    """After a close: the coordinator's thread if it is still inside the user's sample source (``next()`` of a
+    pushed iterable), where the close's second of waiting left it: a source that blocks (a queue whose producer
+    died) may never return, and once it does the thread ends at its next look (the pipeline is closed)."""
+    if p._coordinator is None or not p._intake.in_source:
+        return []
+    return p._coordinator.threads()
 
 
 def _deadline(limit: float | None) -> float | None:
