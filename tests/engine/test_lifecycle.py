@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -269,6 +271,90 @@ def test_a_close_cut_short_by_ctrl_c_is_finished_by_the_next_close(tmp_path, dec
     finally:
         gate.set()
         p.close()
+
+
+def _threads_and_descriptors() -> tuple[int, int, int]:
+    return threading.active_count(), len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.timeout(120)
+def test_pipelines_ended_every_way_leave_no_thread_or_descriptor(tmp_path, decode_path):
+    """Pipelines over a sharded array ended every way (iterated out, closed after one batch, a loop broken
+    out of then closed, dropped unclosed, a source that raised, a close cut short by Ctrl-C then closed again):
+    the process's Python threads, its native threads (/proc/self/task) and its open descriptors come back to
+    what they were before."""
+    import gc
+    import itertools
+    import signal
+
+    import zarr
+
+    data = np.arange(32 * 64 * 64, dtype="float32").reshape(32, 64, 64)
+    z = zarr.create_array(str(tmp_path / "s.zarr"), shape=data.shape, chunks=(8, 16, 16), shards=(16, 32, 32),
+                          dtype="float32")
+    z[:] = data
+    uri = str(tmp_path / "s.zarr")
+    crops = random_crops(uri, data.shape, CROP, 8)
+    cfg = stoker.Config(batch_size=2, dtype="f32", host_buffer_bytes=64 << 20, n_io_threads=2, n_compute_threads=2,
+                        pop_timeout_s=20, device="cpu")
+
+    def raising():
+        yield from crops[:3]
+        raise ValueError("a source that fails")
+
+    def interrupted(p):
+        join = p._coordinator.join
+
+        def join_then_ctrl_c(timeout):
+            signal.raise_signal(signal.SIGINT)
+            join(timeout)
+
+        p._coordinator.join = join_then_ctrl_c
+        try:
+            p.close()
+        except KeyboardInterrupt:
+            pass
+        p.close()
+
+    def once(way: str) -> None:
+        p = stoker.Pipeline(cfg)
+        p.push(crops if way == "out" else raising() if way == "raising" else itertools.cycle(crops))
+        if way == "out":
+            assert sum(1 for _ in p) == 4
+        elif way == "raising":
+            with pytest.raises(stoker.InvalidArgument):
+                for _ in p:
+                    pass
+        else:
+            for _ in p:
+                break
+        if way == "interrupted":
+            interrupted(p)
+        elif way != "dropped":
+            p.close()
+        del p
+
+    ways = ["out", "one", "dropped", "raising", "interrupted"]
+    for way in ways:  # the process's own threads (a thread pool, a runtime) started once, before counting
+        once(way)
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while True:  # the threads of the pipelines just closed leave at their next step
+        before = _threads_and_descriptors()
+        time.sleep(0.3)
+        if _threads_and_descriptors() == before or time.monotonic() > deadline:
+            break
+    for _ in range(4):
+        for way in ways:
+            once(way)
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while True:
+        now = _threads_and_descriptors()
+        if all(a <= b for a, b in zip(now, before)) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert all(a <= b for a, b in zip(now, before)), (now, before, [t.name for t in threading.enumerate()])
 
 
 # -- exit with a pipeline open ---------------------------------------------------------------------------------
