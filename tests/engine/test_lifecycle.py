@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -206,6 +208,155 @@ def test_ctrl_c_anywhere_in_pop_loses_no_batch_and_state_counts_only_received(vo
             torch.testing.assert_close(x[row], torch.from_numpy(crop) * scale)
 
 
+@pytest.mark.timeout(60)
+def test_a_close_cut_short_by_ctrl_c_is_finished_by_the_next_close(tmp_path, decode_path):
+    """Ctrl-C while ``close()`` waits for the coordinator (its source blocked in ``next``): the rest of the close
+    still runs, and a later ``close()`` finishes what is left. A second close returned at once, as if the first
+    had ended: the executor and the store were never closed, so the pipeline's descriptors of the shards it had
+    read stayed open for the life of the process (two a pipeline), and its slots never went back."""
+    import signal
+    import threading
+
+    import zarr
+
+    data = np.arange(32 * 64 * 64, dtype="float32").reshape(32, 64, 64)
+    z = zarr.create_array(str(tmp_path / "s.zarr"), shape=data.shape, chunks=(8, 16, 16), shards=(16, 32, 32),
+                          dtype="float32")
+    z[:] = data
+    uri = str(tmp_path / "s.zarr")
+
+    def fds_under() -> list[str]:
+        out = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith(uri):
+                out.append(target)
+        return out
+
+    gate = threading.Event()
+
+    def blocked():
+        yield from random_crops(uri, data.shape, CROP, 8)
+        gate.wait(30)  # a source waiting for samples that do not come
+
+    cfg = stoker.Config(batch_size=2, dtype="f32", host_buffer_bytes=64 << 20, n_io_threads=2, n_compute_threads=2,
+                        pop_timeout_s=10, device="cpu")
+    p = stoker.Pipeline(cfg)
+    try:
+        p.push(blocked())
+        for _ in range(4):
+            p.pop().release()
+        assert fds_under(), "the test needs a pipeline holding its shards open"
+        waits = []
+        join = p._coordinator.join
+
+        def join_then_ctrl_c(timeout):  # Ctrl-C lands in close's wait for the coordinator, blocked in the source
+            waits.append(timeout)
+            if len(waits) == 1:
+                signal.raise_signal(signal.SIGINT)
+            join(timeout)
+
+        p._coordinator.join = join_then_ctrl_c
+        with pytest.raises(KeyboardInterrupt):
+            p.close()
+        assert fds_under() == []  # the close went on past the interrupt
+        p.close()
+        assert fds_under() == []
+        assert p._executor.host_slots.slots == []  # its slots went back
+        with pytest.raises(stoker.ShutdownError):
+            p.pop()
+    finally:
+        gate.set()
+        p.close()
+
+
+def _threads_and_descriptors() -> tuple[int, int, int]:
+    return threading.active_count(), len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.timeout(120)
+def test_pipelines_ended_every_way_leave_no_thread_or_descriptor(tmp_path, decode_path):
+    """Pipelines over a sharded array ended every way (iterated out, closed after one batch, a loop broken
+    out of then closed, dropped unclosed, a source that raised, a close cut short by Ctrl-C then closed again):
+    the process's Python threads, its native threads (/proc/self/task) and its open descriptors come back to
+    what they were before."""
+    import gc
+    import itertools
+    import signal
+
+    import zarr
+
+    data = np.arange(32 * 64 * 64, dtype="float32").reshape(32, 64, 64)
+    z = zarr.create_array(str(tmp_path / "s.zarr"), shape=data.shape, chunks=(8, 16, 16), shards=(16, 32, 32),
+                          dtype="float32")
+    z[:] = data
+    uri = str(tmp_path / "s.zarr")
+    crops = random_crops(uri, data.shape, CROP, 8)
+    cfg = stoker.Config(batch_size=2, dtype="f32", host_buffer_bytes=64 << 20, n_io_threads=2, n_compute_threads=2,
+                        pop_timeout_s=20, device="cpu")
+
+    def raising():
+        yield from crops[:3]
+        raise ValueError("a source that fails")
+
+    def interrupted(p):
+        join = p._coordinator.join
+
+        def join_then_ctrl_c(timeout):
+            signal.raise_signal(signal.SIGINT)
+            join(timeout)
+
+        p._coordinator.join = join_then_ctrl_c
+        try:
+            p.close()
+        except KeyboardInterrupt:
+            pass
+        p.close()
+
+    def once(way: str) -> None:
+        p = stoker.Pipeline(cfg)
+        p.push(crops if way == "out" else raising() if way == "raising" else itertools.cycle(crops))
+        if way == "out":
+            assert sum(1 for _ in p) == 4
+        elif way == "raising":
+            with pytest.raises(stoker.InvalidArgument):
+                for _ in p:
+                    pass
+        else:
+            for _ in p:
+                break
+        if way == "interrupted":
+            interrupted(p)
+        elif way != "dropped":
+            p.close()
+        del p
+
+    ways = ["out", "one", "dropped", "raising", "interrupted"]
+    for way in ways:  # the process's own threads (a thread pool, a runtime) started once, before counting
+        once(way)
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while True:  # the threads of the pipelines just closed leave at their next step
+        before = _threads_and_descriptors()
+        time.sleep(0.3)
+        if _threads_and_descriptors() == before or time.monotonic() > deadline:
+            break
+    for _ in range(4):
+        for way in ways:
+            once(way)
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while True:
+        now = _threads_and_descriptors()
+        if all(a <= b for a, b in zip(now, before)) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert all(a <= b for a, b in zip(now, before)), (now, before, [t.name for t in threading.enumerate()])
+
+
 # -- exit with a pipeline open ---------------------------------------------------------------------------------
 
 EXIT_SCRIPT = """
@@ -245,6 +396,45 @@ def test_a_script_that_ends_with_a_pipeline_open_exits_cleanly(volume, what):
         proc = _run(EXIT_SCRIPT, volume[0], what, timeout=120)
         assert (proc.returncode, proc.stdout.strip()) == (0, "left open"), proc.stderr[-3000:]
         assert "terminate called" not in proc.stderr
+
+
+BLOCKED_SOURCE_EXIT_SCRIPT = """
+import atexit, sys, threading, time
+import stoker
+
+uri = sys.argv[1]
+marks = {}
+# registered before stoker's exit hook, so run after it: how long the exit took from the script's end
+atexit.register(lambda: print(f"exit hooks took {time.monotonic() - marks['end']:.2f} s", flush=True))
+never = threading.Event()
+
+def samples():  # a source waiting for samples that never come (a queue whose producer died)
+    for y in (0, 16, 32, 48):
+        yield stoker.Sample(uri, [(0, 8), (y, y + 16), (0, 16)])
+    never.wait()
+
+cfg = stoker.Config(batch_size=2, dtype="f32", host_buffer_bytes=64 << 20, pop_timeout_s=60, device="cpu")
+p = stoker.Pipeline(cfg)
+p.push(samples())
+for _ in range(2):
+    p.pop().release()
+time.sleep(0.2)  # the coordinator is inside the source's next() now
+print("left open", flush=True)
+marks["end"] = time.monotonic()
+"""
+
+
+def test_a_script_that_ends_with_its_source_blocked_exits_without_waiting_for_it(volume):
+    """A pipeline left open at exit whose sample source blocks for ever in ``next()`` (as at a Ctrl-C while the
+    consumer waits for it): the exit hook closes it and does not wait for the coordinator thread parked in the
+    user's source (it runs none of stoker's code, and would never end). The hook waited EXIT_WAIT_S (10 s) for
+    it, on top of the close's second: 11 s to exit."""
+    proc = _run(BLOCKED_SOURCE_EXIT_SCRIPT, volume[0], timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.split("\n")
+    assert lines[0] == "left open", proc.stdout
+    took = float(lines[1].split()[3])
+    assert took < 4.0, proc.stdout
 
 
 RECORDS_EXIT_SCRIPT = """

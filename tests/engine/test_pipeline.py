@@ -285,6 +285,42 @@ def test_held_view_is_never_overwritten_and_pool_starves(volume):
             assert len(b) == 2
 
 
+def test_slots_of_batches_still_in_flight_are_not_blamed_on_the_consumer(volume, monkeypatch):
+    """Every slot busy with a batch still being made (a transform stuck on the engine's thread, as a hung
+    mount's read) and none popped: PoolStarved says the batches are in flight, not "the consumer holds all 2
+    batch slots. Release batches" (what it said), and no garbage collection runs for a consumer that holds
+    nothing; once the work goes on, so does the pipeline."""
+    from stoker.engine.pipeline import facade as pipelines
+
+    uri, data = volume
+    samples = _random_samples(uri, data.shape, (8, 8, 8), 16)
+    collections = []
+    monkeypatch.setattr(pipelines.gc, "collect", lambda *a: collections.append(1))
+    gate = threading.Event()
+
+    def stuck(x):
+        gate.wait(30)
+        return x
+
+    with stoker.Pipeline(_cfg(batch_size=2, lookahead_batches=1, pop_timeout_s=1.0, transform=stuck)) as p:
+        try:
+            p.push(samples)
+            deadline = time.monotonic() + 20
+            while not (p._executor.dtype is not None and p._executor.held() == p._executor.n_slots == 2):
+                assert time.monotonic() < deadline, "the coordinator never filled both slots"
+                time.sleep(0.01)
+            with pytest.raises(stoker.PoolStarved) as info:
+                p.pop()
+        finally:
+            gate.set()
+        assert "holds all" not in str(info.value), str(info.value)
+        assert "2 batches in flight" in str(info.value), str(info.value)
+        assert collections == []
+        for k in range(2):
+            with p.pop() as b:
+                assert torch.equal(torch.from_dlpack(b)[0], _expected(data, samples[2 * k], "f32"))
+
+
 def test_slots_held_by_garbage_alone_are_collected_for_a_waiting_consumer(volume, monkeypatch):
     # views kept only by reference cycles (an exception kept with its traceback, say) are freed only by
     # Python's collector, which a process that waits does not run: a consumer kept waiting runs it

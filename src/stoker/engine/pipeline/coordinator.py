@@ -286,6 +286,18 @@ class Coordinator:
         """Under the condition: how many batches are in flight (errors riding in place of one included)."""
         return len(self.inflight)
 
+    def slots_in_flight(self, executor: Executor) -> int:
+        """Under the condition: the slots of ``executor`` that batches in flight hold (a batch of one box its
+        target, one of fields its part in that field's lane): taken by the pipeline, not by the consumer, whose
+        slots are the rest of ``executor.held()``."""
+        n = 0
+        for entry in self.inflight:
+            if entry.parts is not None:
+                n += sum(1 for part in entry.parts if part.executor is executor and part.target is not None)
+            elif entry.target is not None and executor is self.executor:
+                n += 1
+        return n
+
     def take_head(self, head: Entry) -> None:
         """Under the condition: ``head`` leaves the batches in flight, if it is still the first (so it may be
         asked twice)."""

@@ -124,12 +124,17 @@ class Pipeline:
         self._coordinator = Coordinator(cfg, self._intake, self._executor, self._stats, self._store, lanes)
         self._error: BaseException | None = None
         self._error_tb: Any = None  # the sticky error's traceback as it came (each re-raise starts from it)
-        self._closed = False
+        self._closed = False  # refuses every call from here (set first by close)
+        # close's progress: under way, done, and the executors (ids) it stopped and closed so far, so a close an
+        # interrupt cut short is finished by the next (see close)
+        self._closing = self._close_done = False
+        self._stopped: set[int] = set()
+        self._shut: set[int] = set()
         self._pop_lock = threading.Lock()  # lock rank 1, the outermost: pop is single-consumer, pops take turns
         # a hand-over under way, or one an interrupt cut short: (its entry, what was received before it, the
         # consumer's thread); see _hand_over
         self._handing: tuple[Any, Any, int] | None = None
-        lifetime.track(self, _threads_of)  # closed at interpreter exit if still open
+        lifetime.track(self, _threads_of, _parked)  # closed at interpreter exit if still open
 
     # -- what the executor and the coordinator hold (tests and the bench look at them) ------------
 
@@ -212,7 +217,7 @@ class Pipeline:
     def _pop(self, limit: float | None, deadline: float | None) -> tuple[Any, list[bool]]:
         t0 = time.perf_counter()
         coordinator = self._coordinator
-        collector = _Collector(self._executors())
+        collector = _Collector(self._consumer_holds_all)
         while True:
             with self._cond:
                 self._raise_if_unusable()
@@ -350,7 +355,7 @@ class Pipeline:
     def _starved_message(self, limit: float) -> str:
         with self._cond:
             n_slots = self._executor.n_slots
-            if _all_slots_held(self._executors()):
+            if self._consumer_holds_all():
                 return (
                     f"no batch within pop_timeout_s={limit}: the consumer holds all {n_slots} batch slots. "
                     "Release batches (use `with p.pop() as batch:`), drop tensors made from old batches, or "
@@ -362,6 +367,15 @@ class Pipeline:
                 return f"no batch within pop_timeout_s={limit}: {why}"
             return (f"no batch within pop_timeout_s={limit}: {in_flight} batches in flight; storage or "
                     "decoding is slower than the timeout (raise pop_timeout_s or check p.stats())")
+
+    def _consumer_holds_all(self) -> bool:
+        """Whether the consumer holds every batch slot of an executor (a lane's, for fields), released or not:
+        no batch can be made until a view of one dies. Slots of batches still in flight are not the consumer's:
+        with all of them in flight (slow or hung storage) it holds none and has nothing to release."""
+        with self._cond:
+            coordinator = self._coordinator
+            return any(e.dtype is not None and e.held() - coordinator.slots_in_flight(e) >= e.n_slots
+                       for e in self._executors())
 
     def batches(self, n: int) -> Iterator[Batch | FieldBatch]:
         """Yield ``n`` batches (each released when the next is requested)."""
@@ -399,7 +413,7 @@ class Pipeline:
         """True once a batch is in flight; False when nothing more can come from what was pushed.
         PoolStarved past ``deadline`` (the coordinator may be waiting for a slot the consumer holds)."""
         intake, coordinator = self._intake, self._coordinator
-        collector = _Collector(self._executors())
+        collector = _Collector(self._consumer_holds_all)
         while True:
             with self._cond:
                 self._raise_if_unusable()
@@ -454,41 +468,69 @@ class Pipeline:
         for until the same deadline. The CPU engine's threads are waited for a quarter of a second at its
         shutdown.
 
-        In a process forked from the one that made the pipeline it only drops it (see :meth:`_forget`)."""
+        In a process forked from the one that made the pipeline it only drops it (see :meth:`_forget`).
+
+        An interrupt (Ctrl-C) in the wait for the coordinator still closes the executors and the store before
+        it is raised, and a close an interrupt cut short anywhere is finished by the next ``close()`` (yours,
+        ``__del__``'s or the exit hook's), not taken for done."""
         if os.getpid() != self._pid:
             self._forget()
             return
         with self._cond:
-            if self._closed:
+            if self._close_done or self._closing:  # done, or under way on another thread
                 return
-            self._closed = True
-            self._coordinator.close()
-        stopped = self._executors()
-        for executor in stopped:
-            executor.shutdown()
-        self._coordinator.join(1.0)
-        # one wait for the threads and device streams of every executor, and one warning for those not done:
-        # a hung device holds the close CLOSE_WAIT_S once, not once per field
-        wait = CloseWait({id(lane.executor): f"field {lane.name!r}" for lane in self._coordinator.lanes})
-        errors = []
-        try:
-            for executor in self._executors():
-                try:  # (one executor's error closes the others still, then the store, then it is raised)
-                    if executor not in stopped:  # a field's lane made by a launch under way at the close
-                        executor.shutdown()
-                    if getattr(executor, "shares_close_wait", False):  # the GPU decode's and the hybrid's
-                        executor.close(wait)
-                    else:
-                        executor.close()
-                except BaseException as exc:  # noqa: BLE001 - raised below, once the rest is closed
-                    errors.append(exc)
-        finally:
+            self._closed = self._closing = True
             try:
-                self._store.close()
+                self._coordinator.close()
+            except BaseException:
+                self._closing = False  # the next close does it again
+                raise
+        try:
+            self._close_rest()
+        finally:
+            self._closing = False  # (a plain store: no lock an interrupt could leave taken)
+
+    def _close_rest(self) -> None:
+        """:meth:`close` after the coordinator was told to stop: each step is done once, those an interrupt cut
+        short again at the next close. Sets ``_close_done`` once every executor and the store are closed."""
+        for executor in self._executors():
+            if id(executor) not in self._stopped:
+                executor.shutdown()
+                self._stopped.add(id(executor))
+        try:
+            self._coordinator.join(1.0)
+        finally:  # an interrupt in the wait: the executors and the store still close, then it is raised
+            # one wait for the threads and device streams of every executor, and one warning for those not
+            # done: a hung device holds the close CLOSE_WAIT_S once, not once per field
+            wait = CloseWait({id(lane.executor): f"field {lane.name!r}" for lane in self._coordinator.lanes})
+            errors, cut = [], False
+            try:
+                for executor in self._executors():
+                    if id(executor) in self._shut:
+                        continue
+                    try:  # (one executor's error closes the others still, then the store, then it is raised)
+                        if id(executor) not in self._stopped:  # a field's lane made by a launch under way
+                            executor.shutdown()
+                            self._stopped.add(id(executor))
+                        if getattr(executor, "shares_close_wait", False):  # the GPU decode's and the hybrid's
+                            executor.close(wait)
+                        else:
+                            executor.close()
+                        self._shut.add(id(executor))
+                    except Exception as exc:  # noqa: BLE001 - raised below, once the rest is closed
+                        errors.append(exc)
+                        self._shut.add(id(executor))  # failed, not cut short: not closed again
+                    except BaseException as exc:  # noqa: BLE001 - an interrupt: the next close does it again
+                        errors.append(exc)
+                        cut = True
             finally:
-                wait.warn()
-        if errors:
-            raise errors[0]
+                try:
+                    self._store.close()
+                finally:
+                    wait.warn()
+            self._close_done = not cut
+            if errors:
+                raise errors[0]
 
     def _forget(self) -> None:
         """Close in a process forked from the pipeline's: its threads are the parent's and do not run here,
@@ -511,13 +553,13 @@ class Pipeline:
             pass
 
 
-#: how long a consumer waits for a batch while every slot is held, released or not, before Python's garbage
+#: how long a consumer waits for a batch while it holds every slot, released or not, before Python's garbage
 #: collector is run (a view may be held by a reference cycle alone), then twice as long after each collection
 COLLECT_AFTER_S = 0.25
 
 
 class _Collector:
-    """Runs a garbage collection for a consumer kept waiting because every batch slot is held.
+    """Runs a garbage collection for a consumer kept waiting because it holds every batch slot.
 
     A released slot is reused once no tensor views it; a view may be held by garbage alone (a reference
     cycle: an exception kept with its traceback, whose frames hold a batch), which only Python's collector
@@ -525,8 +567,8 @@ class _Collector:
     to run it: after :data:`COLLECT_AFTER_S` of such a wait, then after twice as long each time. Nothing
     runs while batches flow, or while the wait is for storage or decoding."""
 
-    def __init__(self, executors: list) -> None:
-        self.executors = executors
+    def __init__(self, consumer_holds_all: Any) -> None:
+        self.consumer_holds_all = consumer_holds_all  # Pipeline._consumer_holds_all
         self.since = time.monotonic()
         self.after = COLLECT_AFTER_S
 
@@ -534,7 +576,7 @@ class _Collector:
         now = time.monotonic()
         if now - self.since < self.after:
             return
-        if _all_slots_held(self.executors):
+        if self.consumer_holds_all():
             gc.collect()
             self.after *= 2
         self.since = time.monotonic()
@@ -556,10 +598,13 @@ def _threads_of(p: Pipeline) -> list[threading.Thread]:
     return [t for e in p._executors() for t in e.threads()] + p._coordinator.threads()
 
 
-def _all_slots_held(executors: list) -> bool:
-    """Whether every batch slot of one of ``executors`` (a lane's, for fields) is held, released or not: no
-    batch can be made until a view of one dies."""
-    return any(e.dtype is not None and e.held() >= e.n_slots for e in executors)
+def _parked(p: Pipeline) -> list[threading.Thread]:
+    """After a close: the coordinator's thread if it is still inside the user's sample source (``next()`` of a
+    pushed iterable), where the close's second of waiting left it: a source that blocks (a queue whose producer
+    died) may never return, and once it does the thread ends at its next look (the pipeline is closed)."""
+    if p._coordinator is None or not p._intake.in_source:
+        return []
+    return p._coordinator.threads()
 
 
 def _deadline(limit: float | None) -> float | None:

@@ -66,6 +66,9 @@ class Intake:
         self._counted = 0  # samples counted as pushed: sized pushes at push, iterables as they are pulled
         self.shape: Any = cfg.sample_shape  # a dict (field name -> shape) for samples of named fields
         self.first: Sample | None = None  # the first sample checked: its channel count is the pipeline's
+        # the coordinator is inside a pushed iterable's next() (user code, outside the lock): what the exit hook
+        # does not wait for once the pipeline is closed (see facade._parked)
+        self.in_source = False
 
     def push(self, samples: Sample | Iterable[Sample]) -> None:
         """Queue samples: one Sample, a sequence (checked now), a sharded source (pulled lazily, its
@@ -132,6 +135,7 @@ class Intake:
                     elif self.sources[0][0] is source:
                         self.sources.popleft()
                     continue
+            self.in_source = True
             try:
                 sample = next(source)  # user code: outside the lock
             except StopIteration:
@@ -141,6 +145,8 @@ class Intake:
                 continue
             except BaseException as exc:  # noqa: BLE001
                 return self._take_before_error(), exc if isinstance(exc, StokerError) else _wrap_source_error(exc)
+            finally:
+                self.in_source = False
             try:
                 shape = validate(sample, self.shape, self.first)
             except StokerError as exc:
