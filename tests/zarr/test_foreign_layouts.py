@@ -482,3 +482,19 @@ def test_v2_extended_precision_dtypes_are_refused(tmp_path, decode_path, dtype):
     with stoker.Pipeline(cfg) as p, pytest.raises(stoker.UnsupportedFormat, match="extended precision"):
         p.push([stoker.Sample(path, [(0, 4)])])
         p.pop()
+
+
+@pytest.mark.parametrize("flt", [{"id": "astype", "encode_dtype": "<f16", "decode_dtype": "<f8"},
+                                 {"id": "fixedscaleoffset", "offset": 0, "scale": 1, "dtype": "<f8", "astype": "<f16"}])
+def test_v2_filters_storing_long_doubles_are_refused(tmp_path, flt):
+    """A v2 filter that stores numpy's long double stores machine-dependent bytes as the dtype would: refused
+    too (an array of dtype <f8 with AsType(encode_dtype="<f16") was read)."""
+    path = str(tmp_path / "ldf.zarr")
+    os.makedirs(path)
+    with open(os.path.join(path, ".zarray"), "w") as f:
+        json.dump({"zarr_format": 2, "shape": [4], "chunks": [4], "dtype": "<f8", "fill_value": 0, "order": "C",
+                   "filters": [flt], "compressor": None}, f)
+    np.arange(4).astype("<f16").tofile(os.path.join(path, "0"))
+    with pytest.raises(stoker.UnsupportedFormat, match="extended precision") as info:
+        stoker.open_array(path)
+    assert path in str(info.value) and "<f16" in str(info.value)

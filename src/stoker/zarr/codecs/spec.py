@@ -65,6 +65,9 @@ def v2_codec(uri: str, meta: dict, shape: tuple[int, ...], stored_dtype: np.dtyp
     if order not in ("C", "F"):
         raise MetadataError(f"{uri}: order {show(order)} is not 'C' or 'F'", uri=uri)
     filters = meta.get("filters")
+    if filters is not None:
+        for f in lst(filters, "filters", uri):
+            _refuse_stored_long_double(f, uri)
     filters = () if filters is None else tuple(_numcodecs_codec(f, "filter", uri)
                                                for f in lst(filters, "filters", uri))
     compressor = meta.get("compressor")
@@ -149,6 +152,24 @@ class SerializedArray(Codec):
 
     def encode(self, buf: Any) -> Any:  # stoker only reads
         raise NotImplementedError("stoker does not write Zarr arrays")
+
+
+def _refuse_stored_long_double(config: Any, uri: str) -> None:
+    """UnsupportedFormat where a v2 filter's configuration names numpy's long double (``AsType`` with
+    ``encode_dtype="<f16"``, ``FixedScaleOffset`` with ``astype="<c32"``...): it would store bytes that mean
+    other values on other machines, as a v2 array of that dtype would (see :func:`refuse_long_double`). A
+    type that does not parse is left to numcodecs, which refuses the configuration."""
+    if not isinstance(config, dict):
+        return
+    for key in ("dtype", "astype", "encode_dtype", "decode_dtype"):
+        value = config.get(key)
+        if not isinstance(value, str):
+            continue
+        try:
+            dt = np.dtype(value)
+        except (TypeError, ValueError):
+            continue
+        refuse_long_double(dt, f"filter {show(config.get('id'))} {key} {show(value)}", uri)
 
 
 def _numeric_dtype(value: Any, what: str, uri: str) -> np.dtype:
