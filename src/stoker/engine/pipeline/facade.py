@@ -391,7 +391,8 @@ class Pipeline:
                 batch.release()
 
     def __iter__(self) -> Iterator[Batch | FieldBatch]:
-        """Yield batches until the pushed samples are used up (a final short batch only with drop_last=False).
+        """Yield batches until the pushed samples are used up (a final short batch only with drop_last=False,
+        or always for a source whose epochs are delivered whole: a TileGrid's).
 
         Each wait for the next batch is bounded by ``pop_timeout_s``, as :meth:`pop` is.
         """
