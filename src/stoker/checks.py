@@ -40,10 +40,11 @@ def integer(name: str, value: Any, low: int, *, optional: bool = False, **contex
     return int(value)
 
 
-def integers(name: str, values: Any, low: int, **context: Any) -> tuple[int, ...]:
+def integers(name: str, values: Any, low: int | None, **context: Any) -> tuple[int, ...]:
     """``values`` (a sequence: a shape, a stride, a scale per axis) as a tuple of ints, each a whole number
-    ``>= low``: numpy integers and whole floats (``64 / 2``) are the integers they hold; a fraction, a bool or a
-    string is refused, never truncated into another shape than asked. ``context`` is attached to the error.
+    ``>= low`` (None: any, as an offset): numpy integers and whole floats (``64 / 2``) are the integers they hold;
+    a fraction, a bool or a string is refused, never truncated into another shape than asked. ``context`` is
+    attached to the error.
 
     >>> integers("sample_shape", (4, 8.0), 1)
     (4, 8)
@@ -55,8 +56,9 @@ def integers(name: str, values: Any, low: int, **context: Any) -> tuple[int, ...
         items = list(values) if not isinstance(values, (str, bytes)) else None
     except TypeError:
         items = None
-    if items is None or not all(_whole(v) and v >= low for v in items):
-        raise InvalidArgument(f"{name} must be a sequence of integers >= {low}, got {values!r}", **context)
+    if items is None or not all(_whole(v) and (low is None or v >= low) for v in items):
+        bound = "" if low is None else f" >= {low}"
+        raise InvalidArgument(f"{name} must be a sequence of integers{bound}, got {values!r}", **context)
     return tuple(int(v) for v in items)
 
 

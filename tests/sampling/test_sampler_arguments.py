@@ -102,3 +102,15 @@ def test_weights_that_are_not_finite_non_negative_numbers_are_refused(uri, weigh
     """An infinite weight made an IndexError of numpy's (inf / inf is NaN: no volume had a weight left)."""
     with pytest.raises(stoker.InvalidArgument, match="weights"):
         stoker.RandomCrops([uri, uri], (4, 4), weights=weights, samples_per_epoch=4)
+
+
+@pytest.mark.parametrize("kw", [dict(shape=(True, 4)), dict(shape=(4, 4), scale=(True, 2)),
+                                dict(shape=(4, 4), offset=(False, 1)), dict(shape=(4, 4.5)),
+                                dict(shape=(4, 4), offset=(0.5, 0))])
+def test_field_bools_and_fractions_are_refused_as_the_samplers_refuse_them(uri, kw):
+    """Field read its shape, offset and scale with its own int() check, which took True as 1 where RandomCrops,
+    TileGrid and Mask refuse a bool: one rule for every per-axis argument now (checks.integers)."""
+    with pytest.raises(stoker.InvalidArgument, match="integers"):
+        stoker.Field(uri, **kw)
+    f = stoker.Field(uri, (np.int64(4), 4.0), offset=(-2, np.int32(1)), scale=(2, 1))
+    assert (f.shape, f.offset, f.scale) == ((4, 4), (-2, 1), (2, 1))

@@ -23,18 +23,9 @@ from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
+from ..checks import integers
 from ..errors import InvalidArgument
 from .sample import Sample
-
-
-def _ints(value: Any, what: str) -> tuple[int, ...]:
-    try:
-        out = tuple(int(v) for v in value)
-    except TypeError:
-        raise InvalidArgument(f"{what} must be a sequence of integers, got {value!r}") from None
-    if any(o != v for o, v in zip(out, value)):
-        raise InvalidArgument(f"{what} must hold integers, got {value!r}")
-    return out
 
 
 class Field:
@@ -57,16 +48,16 @@ class Field:
             self.arrays = [os.fspath(a) for a in arrays]
         else:
             raise InvalidArgument(f"Field arrays must be an array URI or a non-empty list of them, got {arrays!r}")
-        self.shape = _ints(shape, "Field shape")
+        self.shape = integers("Field shape", shape, None, knob="shape")
         if not self.shape or any(s < 1 for s in self.shape):
             raise InvalidArgument(f"Field shape {self.shape} must be non-empty with every extent >= 1")
-        self.offset = (0,) * len(self.shape) if offset is None else _ints(offset, "Field offset")
+        self.offset = (0,) * len(self.shape) if offset is None else integers("Field offset", offset, None, knob="offset")
         if scale is None:
             self.scale: tuple[int, ...] | None = None
         elif isinstance(scale, numbers.Integral) and not isinstance(scale, bool):  # numpy's integers too
             self.scale = (int(scale),) * len(self.shape)
         else:
-            self.scale = _ints(scale, "Field scale")
+            self.scale = integers("Field scale", scale, None, knob="scale")
         for what, value in (("offset", self.offset), ("scale", self.scale)):
             if value is not None and len(value) != len(self.shape):
                 raise InvalidArgument(f"Field {what} {value} has {len(value)} axes, its shape {self.shape} "
