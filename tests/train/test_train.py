@@ -912,3 +912,8 @@ def test_every_evaluation_over_a_crop_dataset_sees_the_same_samples(volume):
         losses = [trainer.evaluate(data) for _ in range(3)]
         fresh = _trainer(loss_fn=mean).evaluate(wrap(make()))  # a resumed run's first evaluation
         assert losses[0] == losses[1] == losses[2] == fresh
+        # eval data iterated before its first evaluation (a batch taken to check shapes) is evaluated from the
+        # start of its epoch, as a fresh dataset is, not from where it stood
+        early = make()
+        next(iter(early))
+        assert _trainer(loss_fn=mean).evaluate(wrap(early)) == fresh

@@ -506,8 +506,8 @@ class Trainer:
         Ranks may hold different numbers of batches; every rank must call it. ``data`` is iterated once per
         call and must end, and be iterable again for the next call: a list, a CropDataset, a DataLoader;
         not a generator or a CropBatches (InvalidArgument). Data that keeps a position (a CropDataset, also
-        in a DataLoader) is rewound to where the first evaluation over it started: every evaluation sees the
-        same samples, also in a resumed run, not the next epoch of its source."""
+        in a DataLoader) is rewound to the start of the epoch it was in at the first evaluation: every
+        evaluation sees the same samples, also in a resumed run, not the next epoch of its source."""
         _check_eval_data(data)
         mark(self.step, "eval")
         self._rewind(data)
@@ -551,7 +551,16 @@ class Trainer:
             if obj is target:
                 target.load_state_dict(copy.deepcopy(start))
                 return
-        self._eval_starts.append((target, copy.deepcopy(target.state_dict())))
+        state = target.state_dict()
+        epoch = state.get("epoch") if isinstance(state, dict) else None
+        set_epoch = getattr(target, "set_epoch", None)
+        if callable(set_epoch) and isinstance(epoch, int) and not isinstance(epoch, bool):
+            # from the start of the epoch it is in, not where it stands: a dataset iterated before its first
+            # evaluation (a batch taken to check shapes) would replay only its rest, where a resumed run's fresh
+            # dataset evaluates the whole epoch
+            set_epoch(epoch)
+            state = target.state_dict()
+        self._eval_starts.append((target, copy.deepcopy(state)))
 
     def _optimizer_step(self) -> None:
         if self.grad_clip is not None:
