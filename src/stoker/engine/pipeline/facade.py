@@ -439,6 +439,9 @@ class Pipeline:
 
             state = p.state_dict()                       # {"sources": [...], "batches": k}
             source.load_state_dict(state["sources"][0])  # later, possibly on another world size
+
+        ``"sources"`` holds one position per resumable push, in push order: a loop that pushes its source
+        again each epoch (``set_epoch`` then ``push``) resumes from the last, ``state["sources"][-1]``.
         """
         self._check_process()
         with self._cond:
