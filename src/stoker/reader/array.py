@@ -92,22 +92,31 @@ def detect_v2_separator(path: str, doc: dict, uri: str) -> str:
     ndim = len(doc["shape"]) if isinstance(doc.get("shape"), list) else 0
     if doc.get("dimension_separator") is not None or ndim < 2:
         return "."  # said, or one-dimensional keys (no separator in them)
-    nested = None
     try:
         with os.scandir(path) as entries:
-            for entry in entries:
-                name = entry.name
-                if _is_index(name) and entry.is_dir():
-                    nested = nested or name
-                    continue
-                parts = name.split(".")
-                if len(parts) == ndim and all(_is_index(p) for p in parts) and not entry.is_dir():
-                    first = nested or (parts[0] if os.path.isdir(os.path.join(path, parts[0])) else None)
-                    if first is not None:
-                        raise _both_layouts(uri, name, first)
-                    return "."
+            return _separator_of(((e.name, e.is_dir()) for e in entries), ndim, uri,
+                                 lambda name: os.path.isdir(os.path.join(path, name)))
     except OSError as exc:
         raise StorageError(f"{uri}: cannot list {path}: {exc.strerror}", path=path) from None
+
+
+def _separator_of(entries: Iterable[tuple[str, bool]], ndim: int, uri: str, is_dir: Callable[[str], bool]) -> str:
+    """The rule of :func:`detect_v2_separator`, over an array's ``entries`` (``(name, is a directory)``, read
+    lazily: it stops at the first chunk file): a directory named by an integer means ``/``, a file named like
+    ``0.0`` means ``.``, both (``is_dir`` of the file's first part, or a directory seen before it) is a
+    MetadataError, neither ``.``."""
+    nested = None
+    for name, folder in entries:
+        if folder:
+            if _is_index(name):
+                nested = nested or name
+            continue
+        parts = name.split(".")
+        if len(parts) == ndim and all(_is_index(p) for p in parts):
+            first = nested or (parts[0] if is_dir(parts[0]) else None)
+            if first is not None:
+                raise _both_layouts(uri, name, first)
+            return "."
     return "/" if nested is not None else "."
 
 
@@ -123,15 +132,10 @@ def detect_store_separator(store: Store, prefix: str, doc: dict, uri: str) -> st
         return "."
     keys, folders = store.list_dir(prefix)
     names: Sequence[str] = keys  # (Store.list_dir's annotation names its own method `list`, which mypy reads)
-    dirs: Sequence[str] = folders
-    nested = next((name for name in (f.rpartition("/")[2] for f in dirs) if _is_index(name)), None)
-    for name in (k.rpartition("/")[2] for k in names):
-        parts = name.split(".")
-        if len(parts) == ndim and all(_is_index(p) for p in parts):
-            if nested is not None:
-                raise _both_layouts(uri, name, nested)
-            return "."
-    return "/" if nested is not None else "."
+    subfolders: Sequence[str] = folders
+    dirs = [f.rpartition("/")[2] for f in subfolders]
+    entries = itertools.chain(((d, True) for d in dirs), ((k.rpartition("/")[2], False) for k in names))
+    return _separator_of(entries, ndim, uri, set(dirs).__contains__)
 
 
 def _both_layouts(uri: str, flat: str, nested: str) -> MetadataError:
