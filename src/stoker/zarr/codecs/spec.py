@@ -65,11 +65,7 @@ def v2_codec(uri: str, meta: dict, shape: tuple[int, ...], stored_dtype: np.dtyp
     if order not in ("C", "F"):
         raise MetadataError(f"{uri}: order {show(order)} is not 'C' or 'F'", uri=uri)
     filters = meta.get("filters")
-    if filters is not None:
-        for f in lst(filters, "filters", uri):
-            _refuse_stored_long_double(f, uri)
-    filters = () if filters is None else tuple(_numcodecs_codec(f, "filter", uri)
-                                               for f in lst(filters, "filters", uri))
+    filters = () if filters is None else tuple(_v2_filter(f, uri) for f in lst(filters, "filters", uri))
     compressor = meta.get("compressor")
     compressors = () if compressor is None else (_numcodecs_codec(compressor, "compressor", uri),)
     return ChunkCodec(
@@ -152,6 +148,12 @@ class SerializedArray(Codec):
 
     def encode(self, buf: Any) -> Any:  # stoker only reads
         raise NotImplementedError("stoker does not write Zarr arrays")
+
+
+def _v2_filter(config: Any, uri: str) -> Codec:
+    """A v2 filter's codec, refused where it stores numpy's long double (:func:`_refuse_stored_long_double`)."""
+    _refuse_stored_long_double(config, uri)
+    return _numcodecs_codec(config, "filter", uri)
 
 
 def _refuse_stored_long_double(config: Any, uri: str) -> None:
