@@ -294,9 +294,8 @@ class RandomCrops(SampleSource):
         if raw.shape == (len(self.arrays),):  # a region that leaves an array no box start is what to say first
             _check_drawable(self, raw)
         self.weights = _weights(weights, spans, len(self.arrays))
-        given = _epoch_length(samples_per_epoch)
-        if given is not None:
-            count = given
+        if samples_per_epoch is not None:  # (checked at the top)
+            count = samples_per_epoch
         else:  # the crops that tile the data once
             count = max(1, sum(spans) // math.prod(self.sample_shape))
             if count > MAX_SAMPLES:
@@ -326,9 +325,8 @@ class RandomCrops(SampleSource):
             stores.close()
         anchors = [len(mv.qualifying) if mv.qualifying is not None else mv.volume.n_anchors for mv in self.volumes]
         self.weights = _weights(weights, anchors, len(volumes))
-        given = _epoch_length(samples_per_epoch)
-        if given is not None:
-            count = given
+        if samples_per_epoch is not None:  # (checked by __init__)
+            count = samples_per_epoch
         else:  # the crops of each volume's first field that tile its arrays once (those that qualify)
             count = 0
             for mv, n in zip(self.volumes, anchors):
@@ -510,8 +508,8 @@ class TileGrid(SampleSource):
     no tile (without ``pad``). With ``shuffle=True`` the tiles are permuted per ``(seed, epoch)``.
 
     A grid's epoch is never cut short: a :class:`~stoker.Pipeline` (and :class:`~stoker.CropDataset`) yields
-    its last batch at its true size whatever ``Config.drop_last`` says, and :meth:`for_rank` splits it with ``even="wrap"`` only (a short
-    rank repeats tiles from the start; :class:`~stoker.TileWriter` counts a repeated tile once): its
+    its last batch at its true size whatever ``Config.drop_last`` says, and :meth:`for_rank` splits it with
+    ``even="wrap"`` only (a short rank repeats tiles from the start; :class:`~stoker.TileWriter` counts a repeated tile once): its
     ``complete_epochs`` is True.
 
     With ``pad`` (one of :data:`~stoker.sampling.sample.PAD_MODES`) the grid is laid out as sliding-window
