@@ -51,7 +51,8 @@ class Field:
         self.shape = integers("Field shape", shape, None, knob="shape")
         if not self.shape or any(s < 1 for s in self.shape):
             raise InvalidArgument(f"Field shape {self.shape} must be non-empty with every extent >= 1")
-        self.offset = (0,) * len(self.shape) if offset is None else integers("Field offset", offset, None, knob="offset")
+        self.offset = (0,) * len(self.shape) if offset is None else \
+            integers("Field offset", offset, None, knob="offset")
         if scale is None:
             self.scale: tuple[int, ...] | None = None
         elif isinstance(scale, numbers.Integral) and not isinstance(scale, bool):  # numpy's integers too

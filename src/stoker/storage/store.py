@@ -64,8 +64,8 @@ class Store:
     """What every store does (see the module docstring for the rules they share): every store subclasses it.
 
     A store declares what it can do as class attributes (never probed): :attr:`supports_ranges`,
-    :attr:`supports_list`, :attr:`lists_in_memory`, :attr:`is_local`, :attr:`reports_versions`, :attr:`starts_reads`,
-    :attr:`max_gap`. It implements :meth:`get`, :meth:`get_ranges`, :meth:`size`, :meth:`exists`,
+    :attr:`supports_list`, :attr:`lists_in_memory`, :attr:`is_local`, :attr:`reports_versions`,
+    :attr:`starts_reads`, :attr:`max_gap`. It implements :meth:`get`, :meth:`get_ranges`, :meth:`size`, :meth:`exists`,
     :meth:`list`, :meth:`list_dir` and :meth:`close`; the bulk reads :meth:`get_many` and :meth:`get_each`
     have defaults built on them, which a store that reads many things at once (an object store) overrides.
 

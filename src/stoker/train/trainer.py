@@ -222,7 +222,7 @@ class Trainer:
         self._buffer_backup: dict[str, torch.Tensor] = {}  # the buffers before this step's forwards
         self._fitted = False  # only the first fit resumes from a checkpoint
         self._epochs: _Epochs | None = None
-        self._eval_starts: list[tuple[Any, Any]] = []  # (eval data, its position at its first evaluation)
+        self._eval_starts: list[tuple[Any, Any]] = []  # (eval data, where its evaluations start: see _rewind)
         self._log_mark = (0.0, 0.0)  # (perf_counter, samples of all ranks) at the last telemetry record
 
     # -- collectives -------------------------------------------------------------------------
@@ -538,13 +538,13 @@ class Trainer:
         return total / count
 
     def _rewind(self, data: Any) -> None:
-        """Start an evaluation over ``data`` where this Trainer's first evaluation over it started, when it
-        keeps a position (a CropDataset, directly or as a DataLoader's dataset; a StatefulDataLoader): each
+        """Start an evaluation over ``data`` at the start of the epoch it was in at this Trainer's first
+        evaluation over it (where it stood, when it has no ``set_epoch``), when it keeps a position (a CropDataset, directly or as a DataLoader's dataset; a StatefulDataLoader): each
         iteration of a CropDataset runs its next epoch, so evaluations over RandomCrops would each see other
         crops, and a resumed run (a fresh dataset) other crops than the uninterrupted one at the same step."""
         target = next((obj for obj in (data, getattr(data, "dataset", None))
-                       if callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))),
-                      None)
+                       if callable(getattr(obj, "state_dict", None))
+                       and callable(getattr(obj, "load_state_dict", None))), None)
         if target is None:
             return  # a list, a DataLoader over a map-style dataset: the same batches every pass
         for obj, start in self._eval_starts:
