@@ -123,6 +123,38 @@ def test_random_transpose_is_the_same_for_every_field_of_a_sample(rng):
     assert torch.equal(batch["labels"], batch["raw"][:, 0, 2:6, 2:6, 2:6])
 
 
+@pytest.mark.parametrize("dtype", ["uint16", "uint32", "uint64"])
+def test_unsigned_label_ids_are_flipped_and_transposed_exactly(tmp_path, dtype):
+    """Label ids stored as uint16/32/64 (``dtype='native'``) move with the raw field bit for bit, ids near
+    the dtype's top included (torch has no flip or index_copy for these dtypes on every axis)."""
+    shape, box = (16, 32, 32), (8, 12, 12)
+    rng = np.random.default_rng(7)
+    raw_uri, lab_uri = str(tmp_path / "raw.zarr"), str(tmp_path / "lab.zarr")
+    raw = zarr.create_array(raw_uri, shape=shape, chunks=(8, 16, 16), dtype="float32")
+    raw[:] = rng.normal(0, 1, shape).astype(np.float32)
+    lab = zarr.create_array(lab_uri, shape=shape, chunks=(8, 16, 16), dtype=dtype)
+    top = np.iinfo(dtype).max
+    lab[:] = np.asarray(top, dtype=dtype) - rng.integers(0, 5000, shape).astype(dtype)
+    labels = lab[:]
+    fields = {"raw": stoker.Field(raw_uri, box), "labels": stoker.Field(lab_uri, box)}
+    source = stoker.RandomCrops(fields, seed=2, samples_per_epoch=16)
+    flip, turn = RandomFlip(axes=(-3, -2, -1), seed=5), RandomTranspose(axes=(-2, -1), seed=6)
+    cfg = _cfg(batch_size=8, dtype={"raw": "f32", "labels": "native"}, transform=[flip, turn])
+    seen = 0
+    with stoker.Pipeline(cfg) as p:
+        p.push(source.for_rank(0, 1))
+        for batch in p.batches(2):
+            got = torch.from_dlpack(batch["labels"]).numpy()
+            assert got.dtype == np.dtype(dtype)
+            keys = batch.sample_keys
+            want = np.stack([_read(labels, s.fields["labels"]) for s in batch.samples])
+            want = _flip_oracle(want, flip.draws(keys), flip.axes)
+            want = _transpose_oracle(want, turn.draws(keys), turn.axes, turn.orders)
+            np.testing.assert_array_equal(got, want)
+            seen += len(got)
+    assert seen == 16
+
+
 def test_compose_passes_keys_on_and_plain_callables_stay_plain(rng):
     seen = []
 

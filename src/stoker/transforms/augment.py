@@ -94,8 +94,15 @@ def _changed(x: torch.Tensor, flip: list[int] | None, permute: list[int] | None)
     return x.permute(permute).clone()  # a view of the same memory: copied before it is written over its source
 
 
+#: torch's unsigned dtypes wider than a byte have no flip along the last axis nor index_copy_ (label ids are often
+#: uint32 or uint64): they are moved as the signed integers of their size, the same bits
+_SIGNED = {getattr(torch, f"uint{n}"): getattr(torch, f"int{n}") for n in (16, 32, 64) if hasattr(torch, f"uint{n}")}
+
+
 def _rewrite(t: torch.Tensor, rows: Any, flip: list[int] | None = None, permute: list[int] | None = None) -> None:
-    """``t[rows]`` flipped along ``flip`` or permuted by ``permute``, in place."""
+    """``t[rows]`` flipped along ``flip`` or permuted by ``permute``, in place (values moved, never changed)."""
+    if t.dtype in _SIGNED:
+        t = t.view(_SIGNED[t.dtype])  # a view of the same memory: the writes land in the batch
     if isinstance(rows, slice):
         view = t[rows]
         view.copy_(_changed(view, flip, permute))
