@@ -525,6 +525,40 @@ def test_monai_recipe_runs_dictionary_transforms_on_a_dict_batch(rng):
     assert torch.equal(again["raw"], batch["raw"][4:]) and torch.equal(again["labels"], batch["labels"][4:])
 
 
+def test_monai_recipe_in_a_pipeline_moves_uint32_label_ids_and_refuses_a_new_shape(tmp_path):
+    """The recipe through a real Pipeline: uint32 label ids (native) move with the raw field bit for bit (the
+    labels are the raw float32's bits, so ids past 2**31 too); a MONAI transform that changes a field's shape
+    (rot90 of z and y on an anisotropic (4, 8, 8) box) is an InvalidArgument at pop, not torch's copy error."""
+    pytest.importorskip("monai")
+    from monai import transforms as mt
+
+    namespace = {"__name__": "docs"}
+    exec(compile(_blocks()[2], str(PAGE), "exec"), namespace)
+    shape = (8, 24, 24)
+    raw = np.random.default_rng(4).normal(0, 1, shape).astype(np.float32)
+    raw_uri, lab_uri = str(tmp_path / "raw.zarr"), str(tmp_path / "lab.zarr")
+    zarr.create_array(raw_uri, shape=shape, chunks=(4, 8, 8), dtype="float32")[:] = raw
+    zarr.create_array(lab_uri, shape=shape, chunks=(4, 8, 8), dtype="uint32")[:] = raw.view(np.uint32)
+    fields = {"raw": stoker.Field(raw_uri, (4, 8, 8)), "labels": stoker.Field(lab_uri, (4, 8, 8))}
+    source = stoker.RandomCrops(fields, seed=1, samples_per_epoch=8)
+    names = ["raw", "labels"]
+    turn = namespace["MonaiDict"](mt.Compose([mt.RandFlipd(keys=names, prob=0.5, spatial_axis=0),
+                                              mt.RandRotate90d(keys=names, prob=0.5, spatial_axes=(1, 2))]), seed=0)
+    changed = 0
+    with stoker.Pipeline(_cfg(dtype={"raw": "f32", "labels": "native"}, transform=turn)) as p:
+        p.push(source.for_rank(0, 1))
+        for batch in p.batches(2):
+            x, ids = torch.from_dlpack(batch["raw"]).numpy(), torch.from_dlpack(batch["labels"]).numpy()
+            assert ids.dtype == np.uint32 and np.array_equal(ids, x.view(np.uint32))
+            changed += sum(not np.array_equal(x[i], _read(raw, s.fields["raw"])) for i, s in enumerate(batch.samples))
+    assert changed
+    reshape = namespace["MonaiDict"](mt.RandRotate90d(keys=["raw"], prob=1.0, spatial_axes=(0, 1)), seed=0)
+    with stoker.Pipeline(_cfg(transform=reshape)) as p:
+        p.push(stoker.RandomCrops({"raw": fields["raw"]}, seed=1, samples_per_epoch=4).for_rank(0, 1))
+        with pytest.raises(stoker.InvalidArgument, match=r"field 'raw'.*\(1, 4, 8, 8\).*\(1, 8, 4, 8\)"):
+            p.pop()
+
+
 def test_a_batch_of_fields_carries_the_sources_keys_and_stays_a_mapping(tmp_path):
     """Each field's Batch.keys and FieldBatch.sample_keys are the samples' (epoch, index) from the source; the
     FieldBatch is still a plain mapping (``dict(batch)``, ``batch.keys()`` are its field names)."""
