@@ -99,6 +99,33 @@ def test_a_16_bit_batch_is_transformed_in_float32_and_rounded_once(tmp_path, dec
                                   lookahead_batches=2, host_buffer_bytes=20 << 20)).close()  # 3 x 4 MiB fit
 
 
+def test_a_16_bit_field_is_transformed_as_delivered_and_an_f32_field_exactly(tmp_path):
+    """What the docs say of a batch of named fields: the transform runs at pop on each field in its output
+    dtype, so a bf16 field is rounded before Normalize (values near 280 are 2 apart), and a field asked
+    for as 'f32' is normalised from its float32 values."""
+    uri = str(tmp_path / "t.zarr")
+    z = zarr.create_array(uri, shape=(4, 64), chunks=(2, 32), dtype="float32")
+    z[:] = np.linspace(270, 290, 256, dtype=np.float32).reshape(4, 64)
+    seen = {}
+
+    def spy(b):
+        seen.update({name: t.dtype for name, t in b.items()})
+        return b
+
+    sample = stoker.Sample({name: (uri, [(0, 2), (0, 64)]) for name in ("raw", "copy")})
+    norm = [spy, Normalize(280.0, 3.0, field="raw"), Normalize(280.0, 3.0, field="copy")]
+    cfg = stoker.Config(batch_size=1, dtype={"raw": "bf16", "copy": "f32"}, device="cpu", transform=norm)
+    with stoker.Pipeline(cfg) as p:
+        p.push([sample])
+        with p.pop() as batch:
+            raw, copy = torch.from_dlpack(batch["raw"]).clone(), torch.from_dlpack(batch["copy"]).clone()
+    assert seen == {"raw": torch.bfloat16, "copy": torch.float32}
+    values = torch.from_numpy(z[0:2])[None]
+    assert torch.equal(copy, (values - 280.0) / 3.0)
+    assert torch.equal(raw, (values.to(torch.bfloat16) - 280.0) / 3.0)  # rounded first, as documented
+    assert (raw.float() - copy).abs().max() > 0.1
+
+
 def test_the_gpu_budget_counts_the_float32_work_buffer_of_a_transformed_16_bit_batch():
     """Checked without a GPU (the budget is arithmetic): 3 bf16 slots of 4 MiB, the float32 work buffer
     (8 MiB) and the staging of the cast (4 MiB) pass 20 MiB; without a transform, slots and staging fit."""

@@ -15,6 +15,9 @@ batch, on a GPU on the pipeline's side stream before the event the consumer wait
 or ``'f16'`` the batch is made and transformed in float32 and rounded to the 16-bit output once, after the
 transform (a float32 work slot per batch in flight, counted in ``host_buffer_bytes``; on a GPU a float32 work
 buffer in ``device_buffer_bytes``), so ``Normalize`` near a large mean loses nothing to an early rounding.
+A batch of named fields is not: its transform runs at ``pop`` on each field as delivered, a ``'bf16'`` field
+already rounded (values near 280 are 2 apart, and normalising them by a std of 3 is off by up to a third of
+it). Ask for ``'f32'`` for a field ``Normalize`` acts on (``dtype={"raw": "f32", "labels": "native"}``).
 
 **Keys.** A transform whose ``takes_keys`` attribute is true (a :class:`Keyed` subclass) is called
 ``t(batch, keys)``: ``keys`` is an int64 array ``(B, 2)``, each sample's ``(epoch, index)`` (the same as
