@@ -73,6 +73,25 @@ def test_bf16_batches_and_a_function_returning_a_new_tensor(pair, decode_path):
     assert x.dtype == torch.bfloat16 and torch.equal(x, want)
 
 
+def test_a_transform_returning_a_view_of_the_batch_has_it_copied_back(pair, decode_path):
+    """``lambda b: b.transpose(-2, -1)`` returns a tensor of the batch's shape that is a view of the slot:
+    copied back as a new tensor is (through a copy, not over itself), on a batch tensor and on a field."""
+    uris, data = pair
+    boxes = [[(0, 8), (0, 8)], [(4, 12), (6, 14)]]
+    x, ptr, _, _ = _run([stoker.Sample(uris[0], box) for box in boxes], transform=lambda b: b.transpose(-2, -1))
+    want = np.stack([data[0][tuple(slice(*ax) for ax in box)] for box in boxes]).transpose(0, 2, 1)
+    np.testing.assert_array_equal(x.numpy(), want)
+    sample = stoker.Sample({"raw": (uris[0], boxes[0]), "ids": (uris[1], boxes[1])})
+    cfg = stoker.Config(batch_size=1, dtype={"raw": "f32", "ids": "native"}, device="cpu",
+                        transform=lambda b: {name: t.mT for name, t in b.items()})
+    with stoker.Pipeline(cfg) as p:
+        p.push([sample])
+        with p.pop() as batch:
+            raw, ids = torch.from_dlpack(batch["raw"]).numpy(), torch.from_dlpack(batch["ids"]).numpy()
+            np.testing.assert_array_equal(raw[0], data[0][0:8, 0:8].T)
+            np.testing.assert_array_equal(ids[0], data[1][4:12, 6:14].T)
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "f16"])
 def test_a_16_bit_batch_is_transformed_in_float32_and_rounded_once(tmp_path, decode_path, dtype):
     """Values near 280 are 2 apart in bfloat16: normalising after that rounding would be ~45 times off. The

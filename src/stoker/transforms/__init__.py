@@ -35,7 +35,8 @@ NaN, as xarray decodes them) are decoded in the slot just before the transform, 
 (``FillNaN`` after a ``_FillValue``).
 
 It should work in place and return its argument (the built-ins do: no extra batch-sized buffer); a new
-tensor of the batch's shape, dtype and device it returns is copied back into the slot (one batch copy); any
+tensor of the batch's shape, dtype and device it returns is copied back into the slot (one batch copy; two
+for a view of the batch such as ``b.transpose(-2, -1)``); any
 other result (another shape, dtype or device: never cast back silently) is an
 :class:`~stoker.errors.InvalidArgument` naming the transform. Its errors reach the consumer at ``pop``, like
 a read error of that batch.

@@ -114,5 +114,9 @@ def _settle(transform: Transform, result: Any, out: torch.Tensor, where: str) ->
             f"the batch's dtype (best: modify the batch in place), or ask for floating batches with "
             "Config(dtype='f32')", knob="transform")
     if result.data_ptr() != out.data_ptr() or result.stride() != out.stride():
+        if result.untyped_storage().data_ptr() == out.untyped_storage().data_ptr():
+            # a view of the batch's own memory (``b.transpose(-2, -1)``): torch refuses to copy a tensor over
+            # itself, and a copy element by element would read values it already overwrote
+            result = result.clone()
         out.copy_(result)
     return out
