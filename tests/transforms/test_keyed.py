@@ -47,6 +47,17 @@ def test_uniform_is_a_function_of_the_key_alone():
     assert abs(many.mean() - 0.5) < 0.01 and abs((many < 0.25).mean() - 0.25) < 0.015
 
 
+@pytest.mark.parametrize("bad", [0.5, 2**63, -2**63 - 1, "1", True, None])
+def test_uniform_refuses_a_seed_or_salt_that_is_no_int64(bad):
+    """A float seed was truncated (0.5 drew what 0 draws) and one past int64 was numpy's OverflowError."""
+    keys = _keys(3)
+    with pytest.raises(stoker.InvalidArgument, match="seed must be an int64 integer"):
+        uniform(keys, seed=bad)
+    with pytest.raises(stoker.InvalidArgument, match="salt must be an int64 integer"):
+        uniform(keys, seed=0, salt=bad)
+    assert np.array_equal(uniform(keys, seed=np.int64(7)), uniform(keys, seed=7))
+
+
 def test_flip_draws_follow_p():
     keys = _keys(4000)
     assert RandomFlip(seed=0, p=0.0).draws(keys).sum() == 0

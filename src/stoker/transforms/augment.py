@@ -23,7 +23,7 @@ import torch
 
 from ..errors import InvalidArgument
 from .compose import Keyed
-from .keys import check_keys, uniform
+from .keys import check_int64, check_keys, uniform
 
 _FLIP_SALT = 0x466C6970  # "Flip": the built-ins' draws differ from each other's and from uniform(salt=0)
 _TRANSPOSE_SALT = 0x5472616E  # "Tran"
@@ -44,9 +44,7 @@ def _axes(who: str, axes: Any, least: int) -> tuple[int, ...]:
 
 
 def _seed(who: str, seed: Any) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not -2**63 <= seed < 2**63:
-        raise InvalidArgument(f"{who}: seed must be an int64 integer, got {seed!r}", knob="seed")
-    return int(seed)
+    return check_int64(seed, "seed", who)
 
 
 def _tensors(who: str, batch: Any, axes: tuple[int, ...]) -> list[tuple[str, torch.Tensor]]:
