@@ -206,6 +206,20 @@ def test_arguments_are_checked():
     assert FillNaN(3)(inf).tolist() == [float("inf"), 3.0]
 
 
+def test_a_transform_class_given_for_an_instance_is_refused_at_config(pair):
+    """``Config(transform=RandomFlip)`` (the class, no parentheses) was called with the batch at the first pop:
+    RandomFlip(batch, keys) said "axes must be integers, got tensor([...])" with the batch printed, and
+    Normalize(batch) was an untyped TypeError. It is refused when the Config is made, naming the class."""
+    from stoker.transforms import RandomFlip
+
+    with pytest.raises(stoker.InvalidArgument, match=r"the class RandomFlip.*RandomFlip\(\.\.\.\)"):
+        stoker.Config(transform=RandomFlip)
+    with pytest.raises(stoker.InvalidArgument, match=r"the class Normalize.*Normalize\(\.\.\.\)"):
+        stoker.Config(transform=[FillNaN(0.0), Normalize])
+    with pytest.raises(stoker.InvalidArgument, match="the class FillNaN"):
+        Compose([FillNaN])
+
+
 @pytest.mark.cuda
 def test_channels_and_transforms_on_the_gpu(pair):
     """A CUDA pipeline: channels of two dtypes, cast and transformed on the device on the pipeline's stream,
