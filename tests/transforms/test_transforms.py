@@ -191,6 +191,8 @@ def test_errors_are_typed_and_reach_pop(pair, decode_path):
 def test_arguments_are_checked():
     with pytest.raises(stoker.InvalidArgument, match="std must be > 0"):
         Normalize([0, 0], [1, 0])
+    with pytest.raises(stoker.InvalidArgument, match=r"std of 0 is a constant channel.*1\.0.*from_stats"):
+        Normalize([0, 9], [1, 0])  # a constant channel: the message says what to give instead
     with pytest.raises(stoker.InvalidArgument, match="mean has 2 channels, std 3"):
         Normalize([0, 0], [1, 1, 1])
     with pytest.raises(stoker.InvalidArgument, match="FillNaN"):

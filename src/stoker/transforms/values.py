@@ -66,7 +66,9 @@ class Normalize:
         if self.mean.shape != self.std.shape and self.mean.dim() and self.std.dim():
             raise InvalidArgument(f"Normalize: mean has {self.mean.numel()} channels, std {self.std.numel()}")
         if not (self.std > 0).all():
-            raise InvalidArgument(f"Normalize: std must be > 0 on every channel, got {self.std.tolist()}")
+            hint = ("; a std of 0 is a constant channel (or field): give it 1.0 to centre it only, as "
+                    "Normalize.from_stats does" if (self.std == 0).any() else "")
+            raise InvalidArgument(f"Normalize: std must be > 0 on every channel, got {self.std.tolist()}{hint}")
         self._cache: dict[tuple, tuple[torch.Tensor, ...]] = {}
 
     @classmethod
