@@ -222,6 +222,30 @@ def test_a_transform_class_given_for_an_instance_is_refused_at_config(pair):
         Compose([FillNaN])
 
 
+def test_fill_nan_refuses_a_value_a_16_bit_field_cannot_hold(tmp_path):
+    """FillNaN(-99999.0) on an 'f16' field (transformed at pop in float16, whose largest finite value is
+    65504) put -inf where the NaN were, silently; it is an InvalidArgument naming the dtype. A value it
+    holds is filled as before, and an infinite value is what it says."""
+    uri = str(tmp_path / "nan.zarr")
+    z = zarr.create_array(uri, shape=(4, 8), chunks=(4, 8), dtype="float32")
+    z[:] = np.where(np.arange(32).reshape(4, 8) % 3 == 0, np.nan, 1.0).astype(np.float32)
+    sample = stoker.Sample({"raw": (uri, [(0, 4), (0, 8)])})
+
+    def run(value):
+        cfg = stoker.Config(batch_size=1, dtype={"raw": "f16"}, device="cpu",
+                            transform=FillNaN(value, field="raw"))
+        with stoker.Pipeline(cfg) as p:
+            p.push([sample])
+            with p.pop() as batch:
+                return torch.from_dlpack(batch["raw"]).clone()
+
+    with pytest.raises(stoker.InvalidArgument, match=r"FillNaN\(-99999.0.*torch.float16.*65504"):
+        run(-99999.0)
+    nan = np.isnan(z[:])
+    assert torch.equal(run(-7.0)[0], torch.from_numpy(np.where(nan, -7.0, 1.0)).half())
+    assert torch.equal(run(float("-inf"))[0], torch.from_numpy(np.where(nan, -np.inf, 1.0)).half())
+
+
 @pytest.mark.cuda
 def test_channels_and_transforms_on_the_gpu(pair):
     """A CUDA pipeline: channels of two dtypes, cast and transformed on the device on the pipeline's stream,

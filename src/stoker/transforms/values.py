@@ -132,7 +132,8 @@ class Normalize:
 
 class FillNaN:
     """Replace NaN with ``value``, in place (infinities stay). Batches of integer dtypes have no NaN: as is.
-    ``field`` names the field it acts on in a dict batch; None for a batch tensor.
+    A finite ``value`` past the batch's float dtype (-99999.0 in a float16 field) is an InvalidArgument, never
+    an infinity. ``field`` names the field it acts on in a dict batch; None for a batch tensor.
 
     >>> FillNaN(0.0, field="raw")
     """
@@ -146,6 +147,13 @@ class FillNaN:
     def __call__(self, batch: Any) -> Any:
         x = _target("FillNaN", self.field, batch)
         if x.is_floating_point():
+            most = torch.finfo(x.dtype).max
+            if math.isfinite(self.value) and abs(self.value) > most:
+                # float16 rounds it to an infinity: the NaN would become a value the data never held
+                where = "" if self.field is None else f"field {self.field!r} of "
+                raise InvalidArgument(
+                    f"{self!r}: {where}the batch is {x.dtype}, whose largest finite value is {most:g}, so the fill "
+                    "would be an infinity; fill with a value it holds, or ask for 'f32' for it", knob="transform")
             x.nan_to_num_(nan=self.value, posinf=math.inf, neginf=-math.inf)
         return batch
 
