@@ -145,6 +145,30 @@ def test_a_16_bit_field_is_transformed_as_delivered_and_an_f32_field_exactly(tmp
     assert (raw.float() - copy).abs().max() > 0.1
 
 
+def test_normalize_of_a_16_bit_field_rounds_once_and_is_not_biased(tmp_path):
+    """A bf16 field is normalised at pop in its dtype. Its mean 283.7 was rounded to bfloat16 (284) before
+    the subtraction: every value came out 0.1 std too low (a bias, not noise). Normalize now computes in
+    float32 and rounds once; in float16 a result past 65504 is an InvalidArgument, never an infinity."""
+    uri = str(tmp_path / "t.zarr")
+    values = (283.7 + 3 * np.random.default_rng(0).normal(size=(4, 64))).astype(np.float32)
+    zarr.create_array(uri, shape=(4, 64), chunks=(2, 32), dtype="float32")[:] = values
+    sample = stoker.Sample({"raw": (uri, [(0, 4), (0, 64)])})
+
+    def run(dtype, norm):
+        with stoker.Pipeline(stoker.Config(batch_size=1, dtype={"raw": dtype}, device="cpu", transform=norm)) as p:
+            p.push([sample])
+            with p.pop() as batch:
+                return torch.from_dlpack(batch["raw"])[0].clone()
+
+    for dtype, torch_dtype in (("bf16", torch.bfloat16), ("f16", torch.float16)):
+        got = run(dtype, Normalize(283.7, 3.0, field="raw"))
+        want = ((torch.from_numpy(values).to(torch_dtype).float() - 283.7) / 3.0).to(torch_dtype)
+        assert got.dtype == torch_dtype and torch.equal(got, want)
+        assert abs(got.float().mean().item() - ((values - 283.7) / 3.0).mean()) < 0.05  # was 0.1 off
+    with pytest.raises(stoker.InvalidArgument, match=r"float16.*65504"):
+        run("f16", Normalize(0.0, 1e-3, field="raw"))
+
+
 def test_the_gpu_budget_counts_the_float32_work_buffer_of_a_transformed_16_bit_batch():
     """Checked without a GPU (the budget is arithmetic): 3 bf16 slots of 4 MiB, the float32 work buffer
     (8 MiB) and the staging of the cast (4 MiB) pass 20 MiB; without a transform, slots and staging fit."""

@@ -11,6 +11,8 @@ import torch
 
 from ..errors import InvalidArgument
 
+_HALF = (torch.float16, torch.bfloat16)
+
 
 def _check_field(who: str, field: Any) -> str | None:
     if field is not None and not isinstance(field, str):
@@ -49,7 +51,8 @@ def _per_channel(name: str, values: Any) -> torch.Tensor:
 
 
 class Normalize:
-    """``(x - mean) / std`` per channel, in place, in the batch's dtype.
+    """``(x - mean) / std`` per channel, in place, in the batch's dtype; a 16-bit tensor (a field of a dict
+    batch, or ``dtype='native'``) in float32, rounded once (a float16 result past 65504: InvalidArgument).
 
     ``mean`` and ``std`` are numbers (every element) or sequences/tensors of one value per channel: the
     batch's axis 1, i.e. ``(B, C, *box)`` batches of multi-array samples. A channel count other than the
@@ -93,12 +96,12 @@ class Normalize:
         n = max(self.mean.dim() and self.mean.numel(), self.std.dim() and self.std.numel())
         return n or None
 
-    def _scale(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        key = (x.device, x.dtype, x.dim())
+    def _scale(self, x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        key = (x.device, dtype, x.dim())
         held = self._cache.get(key)
         if held is None:
             shape = (1, -1) + (1,) * (x.dim() - 2) if self.channels else ()
-            held = self._cache[key] = tuple(v.to(dtype=x.dtype).reshape(shape).to(x.device)
+            held = self._cache[key] = tuple(v.to(dtype=dtype).reshape(shape).to(x.device)
                                             for v in (self.mean, self.std))
         return held
 
@@ -115,8 +118,23 @@ class Normalize:
                 f"Normalize has {c} channels (mean {self.mean.tolist()}, std {self.std.tolist()}) but {where}the "
                 f"batch of shape {tuple(x.shape)} has {have} on axis 1; give one mean and std per array of the "
                 "samples", knob="transform")
-        mean, std = self._scale(x)
-        x.sub_(mean).div_(std)
+        if x.dtype not in _HALF:
+            mean, std = self._scale(x, x.dtype)
+            x.sub_(mean).div_(std)
+            return batch
+        # a 16-bit tensor (a field of a dict batch, or dtype='native'; a batch tensor is made in float32): in
+        # float32, rounded once. In its own dtype the mean itself was rounded (283.7 to 284 in bfloat16), and
+        # every value came out shifted by the same amount, a bias rather than noise
+        mean, std = self._scale(x, torch.float32)
+        y = x.float().sub_(mean).div_(std)
+        if x.dtype == torch.float16:
+            most = torch.finfo(torch.float16).max
+            if bool(((y.abs() > most) & torch.isfinite(y)).any()):
+                raise InvalidArgument(
+                    f"{self!r}: {where}the batch is torch.float16, whose largest finite value is {most:g}, and "
+                    "normalised values pass it (they would be infinities); check mean and std, or ask for "
+                    "'bf16' or 'f32' for it", knob="transform")
+        x.copy_(y)
         return batch
 
     def __getstate__(self) -> dict:
