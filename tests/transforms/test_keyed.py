@@ -47,6 +47,17 @@ def test_uniform_is_a_function_of_the_key_alone():
     assert abs(many.mean() - 0.5) < 0.01 and abs((many < 0.25).mean() - 0.25) < 0.015
 
 
+@pytest.mark.parametrize("bad", [0.5, 2**63, -2**63 - 1, "1", True, None])
+def test_uniform_refuses_a_seed_or_salt_that_is_no_int64(bad):
+    """A float seed was truncated (0.5 drew what 0 draws) and one past int64 was numpy's OverflowError."""
+    keys = _keys(3)
+    with pytest.raises(stoker.InvalidArgument, match="seed must be an int64 integer"):
+        uniform(keys, seed=bad)
+    with pytest.raises(stoker.InvalidArgument, match="salt must be an int64 integer"):
+        uniform(keys, seed=0, salt=bad)
+    assert np.array_equal(uniform(keys, seed=np.int64(7)), uniform(keys, seed=7))
+
+
 def test_flip_draws_follow_p():
     keys = _keys(4000)
     assert RandomFlip(seed=0, p=0.0).draws(keys).sum() == 0
@@ -121,6 +132,38 @@ def test_random_transpose_is_the_same_for_every_field_of_a_sample(rng):
     t(batch, keys)
     np.testing.assert_array_equal(batch["raw"].numpy(), _transpose_oracle(raw, orders, (-3, -2, -1), t.orders))
     assert torch.equal(batch["labels"], batch["raw"][:, 0, 2:6, 2:6, 2:6])
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "uint32", "uint64"])
+def test_unsigned_label_ids_are_flipped_and_transposed_exactly(tmp_path, dtype):
+    """Label ids stored as uint16/32/64 (``dtype='native'``) move with the raw field bit for bit, ids near
+    the dtype's top included (torch has no flip or index_copy for these dtypes on every axis)."""
+    shape, box = (16, 32, 32), (8, 12, 12)
+    rng = np.random.default_rng(7)
+    raw_uri, lab_uri = str(tmp_path / "raw.zarr"), str(tmp_path / "lab.zarr")
+    raw = zarr.create_array(raw_uri, shape=shape, chunks=(8, 16, 16), dtype="float32")
+    raw[:] = rng.normal(0, 1, shape).astype(np.float32)
+    lab = zarr.create_array(lab_uri, shape=shape, chunks=(8, 16, 16), dtype=dtype)
+    top = np.iinfo(dtype).max
+    lab[:] = np.asarray(top, dtype=dtype) - rng.integers(0, 5000, shape).astype(dtype)
+    labels = lab[:]
+    fields = {"raw": stoker.Field(raw_uri, box), "labels": stoker.Field(lab_uri, box)}
+    source = stoker.RandomCrops(fields, seed=2, samples_per_epoch=16)
+    flip, turn = RandomFlip(axes=(-3, -2, -1), seed=5), RandomTranspose(axes=(-2, -1), seed=6)
+    cfg = _cfg(batch_size=8, dtype={"raw": "f32", "labels": "native"}, transform=[flip, turn])
+    seen = 0
+    with stoker.Pipeline(cfg) as p:
+        p.push(source.for_rank(0, 1))
+        for batch in p.batches(2):
+            got = torch.from_dlpack(batch["labels"]).numpy()
+            assert got.dtype == np.dtype(dtype)
+            keys = batch.sample_keys
+            want = np.stack([_read(labels, s.fields["labels"]) for s in batch.samples])
+            want = _flip_oracle(want, flip.draws(keys), flip.axes)
+            want = _transpose_oracle(want, turn.draws(keys), turn.axes, turn.orders)
+            np.testing.assert_array_equal(got, want)
+            seen += len(got)
+    assert seen == 16
 
 
 def test_compose_passes_keys_on_and_plain_callables_stay_plain(rng):
@@ -491,6 +534,40 @@ def test_monai_recipe_runs_dictionary_transforms_on_a_dict_batch(rng):
     again = {"raw": torch.from_numpy(raw[4:, None].copy()), "labels": torch.from_numpy(labels[4:].copy())}
     make(0)(again, keys[4:])
     assert torch.equal(again["raw"], batch["raw"][4:]) and torch.equal(again["labels"], batch["labels"][4:])
+
+
+def test_monai_recipe_in_a_pipeline_moves_uint32_label_ids_and_refuses_a_new_shape(tmp_path):
+    """The recipe through a real Pipeline: uint32 label ids (native) move with the raw field bit for bit (the
+    labels are the raw float32's bits, so ids past 2**31 too); a MONAI transform that changes a field's shape
+    (rot90 of z and y on an anisotropic (4, 8, 8) box) is an InvalidArgument at pop, not torch's copy error."""
+    pytest.importorskip("monai")
+    from monai import transforms as mt
+
+    namespace = {"__name__": "docs"}
+    exec(compile(_blocks()[2], str(PAGE), "exec"), namespace)
+    shape = (8, 24, 24)
+    raw = np.random.default_rng(4).normal(0, 1, shape).astype(np.float32)
+    raw_uri, lab_uri = str(tmp_path / "raw.zarr"), str(tmp_path / "lab.zarr")
+    zarr.create_array(raw_uri, shape=shape, chunks=(4, 8, 8), dtype="float32")[:] = raw
+    zarr.create_array(lab_uri, shape=shape, chunks=(4, 8, 8), dtype="uint32")[:] = raw.view(np.uint32)
+    fields = {"raw": stoker.Field(raw_uri, (4, 8, 8)), "labels": stoker.Field(lab_uri, (4, 8, 8))}
+    source = stoker.RandomCrops(fields, seed=1, samples_per_epoch=8)
+    names = ["raw", "labels"]
+    turn = namespace["MonaiDict"](mt.Compose([mt.RandFlipd(keys=names, prob=0.5, spatial_axis=0),
+                                              mt.RandRotate90d(keys=names, prob=0.5, spatial_axes=(1, 2))]), seed=0)
+    changed = 0
+    with stoker.Pipeline(_cfg(dtype={"raw": "f32", "labels": "native"}, transform=turn)) as p:
+        p.push(source.for_rank(0, 1))
+        for batch in p.batches(2):
+            x, ids = torch.from_dlpack(batch["raw"]).numpy(), torch.from_dlpack(batch["labels"]).numpy()
+            assert ids.dtype == np.uint32 and np.array_equal(ids, x.view(np.uint32))
+            changed += sum(not np.array_equal(x[i], _read(raw, s.fields["raw"])) for i, s in enumerate(batch.samples))
+    assert changed
+    reshape = namespace["MonaiDict"](mt.RandRotate90d(keys=["raw"], prob=1.0, spatial_axes=(0, 1)), seed=0)
+    with stoker.Pipeline(_cfg(transform=reshape)) as p:
+        p.push(stoker.RandomCrops({"raw": fields["raw"]}, seed=1, samples_per_epoch=4).for_rank(0, 1))
+        with pytest.raises(stoker.InvalidArgument, match=r"field 'raw'.*\(1, 4, 8, 8\).*\(1, 8, 4, 8\)"):
+            p.pop()
 
 
 def test_a_batch_of_fields_carries_the_sources_keys_and_stays_a_mapping(tmp_path):

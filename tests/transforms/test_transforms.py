@@ -73,6 +73,25 @@ def test_bf16_batches_and_a_function_returning_a_new_tensor(pair, decode_path):
     assert x.dtype == torch.bfloat16 and torch.equal(x, want)
 
 
+def test_a_transform_returning_a_view_of_the_batch_has_it_copied_back(pair, decode_path):
+    """``lambda b: b.transpose(-2, -1)`` returns a tensor of the batch's shape that is a view of the slot:
+    copied back as a new tensor is (through a copy, not over itself), on a batch tensor and on a field."""
+    uris, data = pair
+    boxes = [[(0, 8), (0, 8)], [(4, 12), (6, 14)]]
+    x, ptr, _, _ = _run([stoker.Sample(uris[0], box) for box in boxes], transform=lambda b: b.transpose(-2, -1))
+    want = np.stack([data[0][tuple(slice(*ax) for ax in box)] for box in boxes]).transpose(0, 2, 1)
+    np.testing.assert_array_equal(x.numpy(), want)
+    sample = stoker.Sample({"raw": (uris[0], boxes[0]), "ids": (uris[1], boxes[1])})
+    cfg = stoker.Config(batch_size=1, dtype={"raw": "f32", "ids": "native"}, device="cpu",
+                        transform=lambda b: {name: t.mT for name, t in b.items()})
+    with stoker.Pipeline(cfg) as p:
+        p.push([sample])
+        with p.pop() as batch:
+            raw, ids = torch.from_dlpack(batch["raw"]).numpy(), torch.from_dlpack(batch["ids"]).numpy()
+            np.testing.assert_array_equal(raw[0], data[0][0:8, 0:8].T)
+            np.testing.assert_array_equal(ids[0], data[1][4:12, 6:14].T)
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "f16"])
 def test_a_16_bit_batch_is_transformed_in_float32_and_rounded_once(tmp_path, decode_path, dtype):
     """Values near 280 are 2 apart in bfloat16: normalising after that rounding would be ~45 times off. The
@@ -97,6 +116,57 @@ def test_a_16_bit_batch_is_transformed_in_float32_and_rounded_once(tmp_path, dec
                                       lookahead_batches=2, host_buffer_bytes=20 << 20, transform=Normalize(0, 1)))
     stoker.Pipeline(stoker.Config(batch_size=8, dtype=dtype, device="cpu", sample_shape=(64, 64, 64),
                                   lookahead_batches=2, host_buffer_bytes=20 << 20)).close()  # 3 x 4 MiB fit
+
+
+def test_a_16_bit_field_is_transformed_as_delivered_and_an_f32_field_exactly(tmp_path):
+    """What the docs say of a batch of named fields: the transform runs at pop on each field in its output
+    dtype, so a bf16 field is rounded before Normalize (values near 280 are 2 apart), and a field asked
+    for as 'f32' is normalised from its float32 values."""
+    uri = str(tmp_path / "t.zarr")
+    z = zarr.create_array(uri, shape=(4, 64), chunks=(2, 32), dtype="float32")
+    z[:] = np.linspace(270, 290, 256, dtype=np.float32).reshape(4, 64)
+    seen = {}
+
+    def spy(b):
+        seen.update({name: t.dtype for name, t in b.items()})
+        return b
+
+    sample = stoker.Sample({name: (uri, [(0, 2), (0, 64)]) for name in ("raw", "copy")})
+    norm = [spy, Normalize(280.0, 3.0, field="raw"), Normalize(280.0, 3.0, field="copy")]
+    cfg = stoker.Config(batch_size=1, dtype={"raw": "bf16", "copy": "f32"}, device="cpu", transform=norm)
+    with stoker.Pipeline(cfg) as p:
+        p.push([sample])
+        with p.pop() as batch:
+            raw, copy = torch.from_dlpack(batch["raw"]).clone(), torch.from_dlpack(batch["copy"]).clone()
+    assert seen == {"raw": torch.bfloat16, "copy": torch.float32}
+    values = torch.from_numpy(z[0:2])[None]
+    assert torch.equal(copy, (values - 280.0) / 3.0)
+    assert torch.equal(raw, (values.to(torch.bfloat16) - 280.0) / 3.0)  # rounded first, as documented
+    assert (raw.float() - copy).abs().max() > 0.1
+
+
+def test_normalize_of_a_16_bit_field_rounds_once_and_is_not_biased(tmp_path):
+    """A bf16 field is normalised at pop in its dtype. Its mean 283.7 was rounded to bfloat16 (284) before
+    the subtraction: every value came out 0.1 std too low (a bias, not noise). Normalize now computes in
+    float32 and rounds once; in float16 a result past 65504 is an InvalidArgument, never an infinity."""
+    uri = str(tmp_path / "t.zarr")
+    values = (283.7 + 3 * np.random.default_rng(0).normal(size=(4, 64))).astype(np.float32)
+    zarr.create_array(uri, shape=(4, 64), chunks=(2, 32), dtype="float32")[:] = values
+    sample = stoker.Sample({"raw": (uri, [(0, 4), (0, 64)])})
+
+    def run(dtype, norm):
+        with stoker.Pipeline(stoker.Config(batch_size=1, dtype={"raw": dtype}, device="cpu", transform=norm)) as p:
+            p.push([sample])
+            with p.pop() as batch:
+                return torch.from_dlpack(batch["raw"])[0].clone()
+
+    for dtype, torch_dtype in (("bf16", torch.bfloat16), ("f16", torch.float16)):
+        got = run(dtype, Normalize(283.7, 3.0, field="raw"))
+        want = ((torch.from_numpy(values).to(torch_dtype).float() - 283.7) / 3.0).to(torch_dtype)
+        assert got.dtype == torch_dtype and torch.equal(got, want)
+        assert abs(got.float().mean().item() - ((values - 283.7) / 3.0).mean()) < 0.05  # was 0.1 off
+    with pytest.raises(stoker.InvalidArgument, match=r"float16.*65504"):
+        run("f16", Normalize(0.0, 1e-3, field="raw"))
 
 
 def test_the_gpu_budget_counts_the_float32_work_buffer_of_a_transformed_16_bit_batch():
@@ -145,6 +215,8 @@ def test_errors_are_typed_and_reach_pop(pair, decode_path):
 def test_arguments_are_checked():
     with pytest.raises(stoker.InvalidArgument, match="std must be > 0"):
         Normalize([0, 0], [1, 0])
+    with pytest.raises(stoker.InvalidArgument, match=r"std of 0 is a constant channel.*1\.0.*from_stats"):
+        Normalize([0, 9], [1, 0])  # a constant channel: the message says what to give instead
     with pytest.raises(stoker.InvalidArgument, match="mean has 2 channels, std 3"):
         Normalize([0, 0], [1, 1, 1])
     with pytest.raises(stoker.InvalidArgument, match="FillNaN"):
@@ -158,6 +230,44 @@ def test_arguments_are_checked():
     assert FillNaN(0)(ints) is ints
     inf = torch.tensor([float("inf"), float("nan")])
     assert FillNaN(3)(inf).tolist() == [float("inf"), 3.0]
+
+
+def test_a_transform_class_given_for_an_instance_is_refused_at_config(pair):
+    """``Config(transform=RandomFlip)`` (the class, no parentheses) was called with the batch at the first pop:
+    RandomFlip(batch, keys) said "axes must be integers, got tensor([...])" with the batch printed, and
+    Normalize(batch) was an untyped TypeError. It is refused when the Config is made, naming the class."""
+    from stoker.transforms import RandomFlip
+
+    with pytest.raises(stoker.InvalidArgument, match=r"the class RandomFlip.*RandomFlip\(\.\.\.\)"):
+        stoker.Config(transform=RandomFlip)
+    with pytest.raises(stoker.InvalidArgument, match=r"the class Normalize.*Normalize\(\.\.\.\)"):
+        stoker.Config(transform=[FillNaN(0.0), Normalize])
+    with pytest.raises(stoker.InvalidArgument, match="the class FillNaN"):
+        Compose([FillNaN])
+
+
+def test_fill_nan_refuses_a_value_a_16_bit_field_cannot_hold(tmp_path):
+    """FillNaN(-99999.0) on an 'f16' field (transformed at pop in float16, whose largest finite value is
+    65504) put -inf where the NaN were, silently; it is an InvalidArgument naming the dtype. A value it
+    holds is filled as before, and an infinite value is what it says."""
+    uri = str(tmp_path / "nan.zarr")
+    z = zarr.create_array(uri, shape=(4, 8), chunks=(4, 8), dtype="float32")
+    z[:] = np.where(np.arange(32).reshape(4, 8) % 3 == 0, np.nan, 1.0).astype(np.float32)
+    sample = stoker.Sample({"raw": (uri, [(0, 4), (0, 8)])})
+
+    def run(value):
+        cfg = stoker.Config(batch_size=1, dtype={"raw": "f16"}, device="cpu",
+                            transform=FillNaN(value, field="raw"))
+        with stoker.Pipeline(cfg) as p:
+            p.push([sample])
+            with p.pop() as batch:
+                return torch.from_dlpack(batch["raw"]).clone()
+
+    with pytest.raises(stoker.InvalidArgument, match=r"FillNaN\(-99999.0.*torch.float16.*65504"):
+        run(-99999.0)
+    nan = np.isnan(z[:])
+    assert torch.equal(run(-7.0)[0], torch.from_numpy(np.where(nan, -7.0, 1.0)).half())
+    assert torch.equal(run(float("-inf"))[0], torch.from_numpy(np.where(nan, -np.inf, 1.0)).half())
 
 
 @pytest.mark.cuda

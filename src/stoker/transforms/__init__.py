@@ -15,6 +15,9 @@ batch, on a GPU on the pipeline's side stream before the event the consumer wait
 or ``'f16'`` the batch is made and transformed in float32 and rounded to the 16-bit output once, after the
 transform (a float32 work slot per batch in flight, counted in ``host_buffer_bytes``; on a GPU a float32 work
 buffer in ``device_buffer_bytes``), so ``Normalize`` near a large mean loses nothing to an early rounding.
+A batch of named fields is not: its transform runs at ``pop`` on each field as delivered, a ``'bf16'`` field
+already rounded (values near 280 are 2 apart, and normalising them by a std of 3 is off by up to a third of
+it). Ask for ``'f32'`` for a field ``Normalize`` acts on (``dtype={"raw": "f32", "labels": "native"}``).
 
 **Keys.** A transform whose ``takes_keys`` attribute is true (a :class:`Keyed` subclass) is called
 ``t(batch, keys)``: ``keys`` is an int64 array ``(B, 2)``, each sample's ``(epoch, index)`` (the same as
@@ -32,7 +35,8 @@ NaN, as xarray decodes them) are decoded in the slot just before the transform, 
 (``FillNaN`` after a ``_FillValue``).
 
 It should work in place and return its argument (the built-ins do: no extra batch-sized buffer); a new
-tensor of the batch's shape, dtype and device it returns is copied back into the slot (one batch copy); any
+tensor of the batch's shape, dtype and device it returns is copied back into the slot (one batch copy; two
+for a view of the batch such as ``b.transpose(-2, -1)``); any
 other result (another shape, dtype or device: never cast back silently) is an
 :class:`~stoker.errors.InvalidArgument` naming the transform. Its errors reach the consumer at ``pop``, like
 a read error of that batch.

@@ -23,7 +23,7 @@ import torch
 
 from ..errors import InvalidArgument
 from .compose import Keyed
-from .keys import check_keys, uniform
+from .keys import check_int64, check_keys, uniform
 
 _FLIP_SALT = 0x466C6970  # "Flip": the built-ins' draws differ from each other's and from uniform(salt=0)
 _TRANSPOSE_SALT = 0x5472616E  # "Tran"
@@ -44,9 +44,7 @@ def _axes(who: str, axes: Any, least: int) -> tuple[int, ...]:
 
 
 def _seed(who: str, seed: Any) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not -2**63 <= seed < 2**63:
-        raise InvalidArgument(f"{who}: seed must be an int64 integer, got {seed!r}", knob="seed")
-    return int(seed)
+    return check_int64(seed, "seed", who)
 
 
 def _tensors(who: str, batch: Any, axes: tuple[int, ...]) -> list[tuple[str, torch.Tensor]]:
@@ -94,8 +92,15 @@ def _changed(x: torch.Tensor, flip: list[int] | None, permute: list[int] | None)
     return x.permute(permute).clone()  # a view of the same memory: copied before it is written over its source
 
 
+#: torch's unsigned dtypes wider than a byte have no flip along the last axis nor index_copy_ (label ids are often
+#: uint32 or uint64): they are moved as the signed integers of their size, the same bits
+_SIGNED = {getattr(torch, f"uint{n}"): getattr(torch, f"int{n}") for n in (16, 32, 64) if hasattr(torch, f"uint{n}")}
+
+
 def _rewrite(t: torch.Tensor, rows: Any, flip: list[int] | None = None, permute: list[int] | None = None) -> None:
-    """``t[rows]`` flipped along ``flip`` or permuted by ``permute``, in place."""
+    """``t[rows]`` flipped along ``flip`` or permuted by ``permute``, in place (values moved, never changed)."""
+    if t.dtype in _SIGNED:
+        t = t.view(_SIGNED[t.dtype])  # a view of the same memory: the writes land in the batch
     if isinstance(rows, slice):
         view = t[rows]
         view.copy_(_changed(view, flip, permute))

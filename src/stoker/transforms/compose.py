@@ -48,6 +48,7 @@ class Compose(Keyed):
         for t in self.transforms:
             if not callable(t):
                 raise InvalidArgument(f"a transform must be callable (batch -> batch), got {t!r}", knob="transform")
+            _not_a_class(t)
 
     def __call__(self, x: Any, keys: Any = None) -> Any:
         for t in self.transforms:
@@ -64,6 +65,14 @@ class Compose(Keyed):
         return f"Compose({list(self.transforms)!r})"
 
 
+def _not_a_class(value: Any) -> None:
+    """InvalidArgument for a class given where a transform is meant (``transform=RandomFlip``, no parentheses):
+    callable, it would be called with the batch at the first pop, as ``RandomFlip(batch, keys)``."""
+    if isinstance(value, type):
+        raise InvalidArgument(f"Config.transform got the class {value.__name__}, not a transform: make one, e.g. "
+                              f"{value.__name__}(...) with its arguments", knob="transform")
+
+
 def as_transform(value: Any) -> Transform | None:
     """What ``Config(transform=...)`` keeps: None, a callable, or a Compose of a list of callables."""
     if value is None or isinstance(value, Compose):
@@ -73,6 +82,7 @@ def as_transform(value: Any) -> Transform | None:
     if not callable(value):
         raise InvalidArgument(f"Config.transform must be a callable (batch -> batch), a list of them or None, got "
                               f"{value!r}", knob="transform")
+    _not_a_class(value)
     return value
 
 
@@ -114,5 +124,9 @@ def _settle(transform: Transform, result: Any, out: torch.Tensor, where: str) ->
             f"the batch's dtype (best: modify the batch in place), or ask for floating batches with "
             "Config(dtype='f32')", knob="transform")
     if result.data_ptr() != out.data_ptr() or result.stride() != out.stride():
+        if result.untyped_storage().data_ptr() == out.untyped_storage().data_ptr():
+            # a view of the batch's own memory (``b.transpose(-2, -1)``): torch refuses to copy a tensor over
+            # itself, and a copy element by element would read values it already overwrote
+            result = result.clone()
         out.copy_(result)
     return out

@@ -11,6 +11,8 @@ import torch
 
 from ..errors import InvalidArgument
 
+_HALF = (torch.float16, torch.bfloat16)
+
 
 def _check_field(who: str, field: Any) -> str | None:
     if field is not None and not isinstance(field, str):
@@ -49,7 +51,8 @@ def _per_channel(name: str, values: Any) -> torch.Tensor:
 
 
 class Normalize:
-    """``(x - mean) / std`` per channel, in place, in the batch's dtype.
+    """``(x - mean) / std`` per channel, in place, in the batch's dtype; a 16-bit tensor (a field of a dict
+    batch, or ``dtype='native'``) in float32, rounded once (a float16 result past 65504: InvalidArgument).
 
     ``mean`` and ``std`` are numbers (every element) or sequences/tensors of one value per channel: the
     batch's axis 1, i.e. ``(B, C, *box)`` batches of multi-array samples. A channel count other than the
@@ -66,7 +69,9 @@ class Normalize:
         if self.mean.shape != self.std.shape and self.mean.dim() and self.std.dim():
             raise InvalidArgument(f"Normalize: mean has {self.mean.numel()} channels, std {self.std.numel()}")
         if not (self.std > 0).all():
-            raise InvalidArgument(f"Normalize: std must be > 0 on every channel, got {self.std.tolist()}")
+            hint = ("; a std of 0 is a constant channel (or field): give it 1.0 to centre it only, as "
+                    "Normalize.from_stats does" if (self.std == 0).any() else "")
+            raise InvalidArgument(f"Normalize: std must be > 0 on every channel, got {self.std.tolist()}{hint}")
         self._cache: dict[tuple, tuple[torch.Tensor, ...]] = {}
 
     @classmethod
@@ -91,12 +96,12 @@ class Normalize:
         n = max(self.mean.dim() and self.mean.numel(), self.std.dim() and self.std.numel())
         return n or None
 
-    def _scale(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        key = (x.device, x.dtype, x.dim())
+    def _scale(self, x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        key = (x.device, dtype, x.dim())
         held = self._cache.get(key)
         if held is None:
             shape = (1, -1) + (1,) * (x.dim() - 2) if self.channels else ()
-            held = self._cache[key] = tuple(v.to(dtype=x.dtype).reshape(shape).to(x.device)
+            held = self._cache[key] = tuple(v.to(dtype=dtype).reshape(shape).to(x.device)
                                             for v in (self.mean, self.std))
         return held
 
@@ -113,8 +118,23 @@ class Normalize:
                 f"Normalize has {c} channels (mean {self.mean.tolist()}, std {self.std.tolist()}) but {where}the "
                 f"batch of shape {tuple(x.shape)} has {have} on axis 1; give one mean and std per array of the "
                 "samples", knob="transform")
-        mean, std = self._scale(x)
-        x.sub_(mean).div_(std)
+        if x.dtype not in _HALF:
+            mean, std = self._scale(x, x.dtype)
+            x.sub_(mean).div_(std)
+            return batch
+        # a 16-bit tensor (a field of a dict batch, or dtype='native'; a batch tensor is made in float32): in
+        # float32, rounded once. In its own dtype the mean itself was rounded (283.7 to 284 in bfloat16), and
+        # every value came out shifted by the same amount, a bias rather than noise
+        mean, std = self._scale(x, torch.float32)
+        y = x.float().sub_(mean).div_(std)
+        if x.dtype == torch.float16:
+            most = torch.finfo(torch.float16).max
+            if bool(((y.abs() > most) & torch.isfinite(y)).any()):
+                raise InvalidArgument(
+                    f"{self!r}: {where}the batch is torch.float16, whose largest finite value is {most:g}, and "
+                    "normalised values pass it (they would be infinities); check mean and std, or ask for "
+                    "'bf16' or 'f32' for it", knob="transform")
+        x.copy_(y)
         return batch
 
     def __getstate__(self) -> dict:
@@ -130,7 +150,8 @@ class Normalize:
 
 class FillNaN:
     """Replace NaN with ``value``, in place (infinities stay). Batches of integer dtypes have no NaN: as is.
-    ``field`` names the field it acts on in a dict batch; None for a batch tensor.
+    A finite ``value`` past the batch's float dtype (-99999.0 in a float16 field) is an InvalidArgument, never
+    an infinity. ``field`` names the field it acts on in a dict batch; None for a batch tensor.
 
     >>> FillNaN(0.0, field="raw")
     """
@@ -144,6 +165,13 @@ class FillNaN:
     def __call__(self, batch: Any) -> Any:
         x = _target("FillNaN", self.field, batch)
         if x.is_floating_point():
+            most = torch.finfo(x.dtype).max
+            if math.isfinite(self.value) and abs(self.value) > most:
+                # float16 rounds it to an infinity: the NaN would become a value the data never held
+                where = "" if self.field is None else f"field {self.field!r} of "
+                raise InvalidArgument(
+                    f"{self!r}: {where}the batch is {x.dtype}, whose largest finite value is {most:g}, so the fill "
+                    "would be an infinity; fill with a value it holds, or ask for 'f32' for it", knob="transform")
             x.nan_to_num_(nan=self.value, posinf=math.inf, neginf=-math.inf)
         return batch
 
