@@ -34,7 +34,6 @@ from .array import MAX_METADATA_BYTES, ArrayReader, open_array
 _lock = threading.Lock()
 # per reader: its documents' attributes and v2 stored fill value, its coordinates (by storage options)
 _documents: "weakref.WeakKeyDictionary[ArrayReader, tuple[dict, Any, tuple | None]]" = weakref.WeakKeyDictionary()
-_codings: "weakref.WeakKeyDictionary[ArrayReader, CFCoding | None]" = weakref.WeakKeyDictionary()
 _coords: "weakref.WeakKeyDictionary[ArrayReader, dict[str, np.ndarray | None]]" = weakref.WeakKeyDictionary()
 
 
@@ -121,15 +120,14 @@ def stored_fill(reader: ArrayReader, stores: Stores | None = None, options: dict
 
 
 def coding(reader: ArrayReader, stores: Stores | None = None, options: dict | None = None) -> CFCoding | None:
-    """What CF decoding does to the array's values (:func:`stoker.zarr.cf.coding_of`), or None."""
-    with _lock:
-        if reader in _codings:
-            return _codings[reader]
+    """What CF decoding does to the array's values (:func:`stoker.zarr.cf.coding_of`), or None; worked out
+    once per reader and kept on it (a planner asks for each array's several times a batch)."""
+    derived = reader.derived
+    if "cf" in derived:
+        return derived["cf"]
     attrs, fill, _ = _documents_of(reader, stores, options)
-    got = coding_of(attrs, reader.dtype, reader.zarr_format, fill, reader.uri)
-    with _lock:
-        _codings[reader] = got
-    return got
+    # setdefault: two threads working it out at once keep the same (equal) answer
+    return derived.setdefault("cf", coding_of(attrs, reader.dtype, reader.zarr_format, fill, reader.uri))
 
 
 def sibling_uri(uri: str, name: str) -> str:

@@ -23,7 +23,7 @@ from ..config import Config
 from ..engine.batch import to_tensors
 from ..engine.buffers import SPARE_SLOT_BYTES
 from ..engine.pipeline.facade import Pipeline
-from ..errors import InvalidArgument, ShutdownError
+from ..errors import InvalidArgument, ShutdownError, StokerError
 from ..sampling.sample import Sample
 from ..sampling.samplers import RankShare, SampleSource
 
@@ -70,10 +70,25 @@ class CropDataset(torch.utils.data.IterableDataset):
     ``state_dict()``/``load_state_dict()`` give and take the source's position as of the last batch
     yielded (the state :meth:`Pipeline.state_dict` reports), so a state taken after k batches resumes with
     batch k + 1, on any world size; ``StatefulDataLoader`` (torchdata) calls them.
+
+    ``persistent=True`` keeps the pipeline from one epoch to the next, as ``DataLoader(persistent_workers=True)``
+    keeps its workers: its threads, batch slots and opened arrays, and over an object store with a disk cache
+    (``Config.cache_dir``) the generations it learnt, so a second epoch reads from the cache asking the store
+    nothing within ``cache_staleness_s``, as a training loop's one pipeline does (a new pipeline revalidates
+    every object it opens: over S3 or HTTP a second epoch then ran at 0.3-0.7x the local files' rate, where the
+    same pipeline's ran at about 1x; docs/remote.md). The price: the batch slots (up to ``host_buffer_bytes``)
+    stay taken between epochs, also while another dataset (a validation set) runs. Only an epoch read to its end
+    keeps its pipeline (one stopped early, by ``break`` or an error, is closed, as without); :meth:`close`, or
+    dropping the dataset, closes it.
+
+    >>> ds = stoker.CropDataset(source, cfg, persistent=True)
+    >>> for epoch in range(10):
+    ...     for x in DataLoader(ds, batch_size=None): ...
+    >>> ds.close()
     """
 
     def __init__(self, source: SampleSource | RankShare, cfg: Config, copy: bool = False,
-                 with_samples: bool = False) -> None:
+                 with_samples: bool = False, persistent: bool = False) -> None:
         super().__init__()
         self._follow_group = isinstance(source, SampleSource)  # the rank is ours to pick, and to re-pick
         if isinstance(source, SampleSource):
@@ -87,9 +102,12 @@ class CropDataset(torch.utils.data.IterableDataset):
         if self._complete and cfg.drop_last:
             cfg = dataclasses.replace(cfg, drop_last=False)  # every tile is inferred: the short last batch too
         self.source, self.cfg, self.copy, self.with_samples = source, cfg, bool(copy), bool(with_samples)
+        self.persistent = bool(persistent)
         self._state = source.state_dict()  # the position as of the last batch yielded
         self._run = 0  # bumped by every iter() and load: an older iteration stops reporting positions
         self._live: Pipeline | None = None  # the pipeline of the current iteration
+        # persistent: the pipeline of the last epoch read to its end, drained, and the read_ahead it was made with
+        self._kept: tuple[Pipeline, int] | None = None
 
     # -- position ---------------------------------------------------------------------------
 
@@ -112,6 +130,20 @@ class CropDataset(torch.utils.data.IterableDataset):
         src.set_epoch(epoch)
         self._state = src.state_dict()
         self._stop()
+
+    def close(self) -> None:
+        """End the iteration under way and close the pipeline kept between epochs (``persistent=True``); the
+        dataset can be iterated again (with a new pipeline)."""
+        self._stop()
+        kept, self._kept = self._kept, None
+        if kept is not None:
+            kept[0].close()
+
+    def __enter__(self) -> "CropDataset":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def _stop(self) -> None:
         """End the iteration under way (its generator returns at its next step) and close its pipeline."""
@@ -174,7 +206,9 @@ class CropDataset(torch.utils.data.IterableDataset):
         run = self._run
         source = self._positioned()
         ahead = read_ahead(self.cfg, source) if self._complete else 0
-        with Pipeline(self.cfg, read_ahead=ahead) as pipeline:
+        pipeline = self._pipeline(ahead)
+        ended = False  # the epoch read to its end: a persistent dataset keeps the pipeline
+        try:
             self._live = pipeline
             pipeline.push(source)
             try:
@@ -188,8 +222,10 @@ class CropDataset(torch.utils.data.IterableDataset):
                         x.num_samples = int(x.shape[0])  # type: ignore[attr-defined]  # what the Trainer counts
                     if run != self._run:
                         return  # a newer iteration or a load took over: this one is stale
-                    self._state = pipeline.state_dict()["sources"][0]
+                    # (the last push's: a persistent pipeline forgets those before it, drop_used_up)
+                    self._state = pipeline.state_dict()["sources"][-1]
                     yield (samples, x) if self.with_samples else x
+                ended = run == self._run
             except ShutdownError:
                 if run == self._run:
                     raise
@@ -197,16 +233,41 @@ class CropDataset(torch.utils.data.IterableDataset):
             finally:
                 if self._live is pipeline:
                     self._live = None
+        finally:
+            self._keep_or_close(pipeline, ahead, ended)
         if run == self._run:  # used up: the next iter() starts the next epoch
             self._positioned()
 
+    def _pipeline(self, ahead: int) -> Pipeline:
+        """The pipeline kept from the last epoch (``persistent``), when it reads as far ahead as this one is to;
+        else a new one."""
+        kept, self._kept = self._kept, None
+        if kept is not None and kept[1] == ahead:
+            return kept[0]
+        if kept is not None:
+            kept[0].close()
+        return Pipeline(self.cfg, read_ahead=ahead)
+
+    def _keep_or_close(self, pipeline: Pipeline, ahead: int, ended: bool) -> None:
+        """After an iteration: keep ``pipeline`` for the next epoch (``persistent``, the epoch ``ended``, read
+        to its end), the samples its epoch left that do not fill a batch dropped; else close it."""
+        if ended and self.persistent and self._kept is None:
+            try:
+                pipeline.drop_used_up()
+            except StokerError:  # not drained after all (an error sticks, a close raced): not kept
+                pipeline.close()
+                return
+            self._kept = (pipeline, ahead)
+            return
+        pipeline.close()
+
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_live": None}  # a pipeline is a process's own
+        return {**self.__dict__, "_live": None, "_kept": None}  # a pipeline is a process's own
 
     def __repr__(self) -> str:
         return (f"CropDataset({type(self.source.source).__name__}, rank {self.source.rank} of "
                 f"{self.source.world_size}, batch_size={self.cfg.batch_size}, copy={self.copy}, "
-                f"with_samples={self.with_samples})")
+                f"with_samples={self.with_samples}, persistent={self.persistent})")
 
 
 #: the share of ``host_buffer_bytes`` the batch slots of a grid's epoch read ahead may take (:func:`read_ahead`)

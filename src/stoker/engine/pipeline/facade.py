@@ -448,6 +448,29 @@ class Pipeline:
             self._undo_hand_over()
             return self._intake.state_dict()
 
+    def drop_used_up(self) -> int:
+        """Forget the pushes so far once they are used up (the pipeline's iteration ended): the samples pulled
+        from them that do not fill a batch (``drop_last=True`` drops them at the end), which would otherwise
+        open the next push's first batch, and their positions: ``state_dict()["sources"]`` then lists only
+        pushes made after this call. For a loop that keeps one pipeline across epochs and wants each epoch's
+        batches to be its own, as :class:`~stoker.CropDataset` with ``persistent=True`` does. Returns the
+        samples dropped; ``InvalidArgument`` while a push still has samples to give or a batch is in flight.
+
+        >>> for batch in p: ...                     # epoch 0 of a source of 30 samples, batches of 8
+        >>> p.drop_used_up()                        # 6: fewer than a batch, not mixed into epoch 1
+        >>> source.set_epoch(1); p.push(source)
+        """
+        self._check_process()
+        with self._pop_lock, self._cond:
+            self._raise_if_unusable()
+            self._undo_hand_over()
+            busy = self._coordinator.in_flight()
+            if busy or not self._intake.drained():
+                raise InvalidArgument(
+                    f"drop_used_up() while {f'{busy} batches are in flight' if busy else 'a push has samples to give'}"
+                    ": call it once the pipeline's iteration has ended (every batch popped)")
+            return self._intake.drop_used_up()
+
     # -- stats and lifetime -----------------------------------------------------------------
 
     def stats(self) -> Stats:

@@ -194,6 +194,23 @@ class Intake:
         with self.cond:
             self.sources.clear()
 
+    def drained(self) -> bool:
+        """Under the condition: whether every push is used up and no batch is being launched (what is staged, if
+        anything, is fewer samples than a batch, which drop_last drops)."""
+        return not self.sources and not self.launching and not self.flush and not self.in_source
+
+    def drop_used_up(self) -> int:
+        """Under the condition, the intake :meth:`drained`: forget the pushes so far, the samples they left
+        staged (fewer than a batch) and their positions (:meth:`state_dict` lists only later pushes); returns
+        the samples dropped."""
+        dropped, self.staged = len(self.staged), []
+        self._counted -= dropped  # never to be popped: no longer pending
+        self._resumable.clear()
+        self._whole.clear()
+        r = self.received
+        self.received = Received(r.batches, r.samples, {})
+        return dropped
+
     def flush_if_drained(self, in_flight: bool) -> None:
         """Under the condition: with nothing in flight and the sources drained, launch what is staged as a
         short batch (when drop_last is off, or a grid's: :meth:`_keeps_short`)."""

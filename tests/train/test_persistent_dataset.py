@@ -1,0 +1,166 @@
+"""``CropDataset(persistent=True)``: one pipeline for every epoch read to its end (as DataLoader's
+``persistent_workers``), each epoch's batches its own and equal to the zarr-python oracle, an epoch stopped
+early closing it, exact resume; ``Pipeline.drop_used_up``; and over an object store with a disk cache, the
+second epoch asking the server nothing where a new pipeline revalidates every object."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import numpy as np
+import pytest
+import torch
+import zarr
+from torch.utils.data import DataLoader
+from zarr.codecs import ZstdCodec
+
+import stoker
+from stoker.storage.diskcache import disk_cache
+
+from store_fixtures import FAST_REMOTE, random_int_arrays, range_server_fixture, written_tree_fixture
+
+pytestmark = pytest.mark.timeout(120)
+
+N = 26  # samples an epoch: 6 batches of 4 and 2 left over, which drop_last drops
+
+
+@pytest.fixture(scope="module")
+def volume(tmp_path_factory):
+    uri = str(tmp_path_factory.mktemp("persistent") / "v.zarr")
+    z = zarr.create_array(uri, shape=(12, 40, 40), chunks=(4, 16, 16), dtype="int16")
+    z[:] = np.random.default_rng(8).integers(-3000, 3000, z.shape, dtype=np.int16)
+    return uri, z[:]
+
+
+def _source(uri):
+    return stoker.RandomCrops([uri], (4, 8, 8), seed=3, samples_per_epoch=N)
+
+
+def _cfg(**kw):
+    return stoker.Config(**{**dict(batch_size=4, dtype="f32", device="cpu", n_compute_threads=2,
+                                   host_buffer_bytes=16 << 20, pop_timeout_s=20.0), **kw})
+
+
+def _want(data, uri, epoch, start=0, stop=24):
+    src = _source(uri)
+    return np.stack([data[tuple(slice(*ax) for ax in src.sample(epoch, i).aabb)] for i in range(start, stop)]
+                    ).astype("f4")
+
+
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_every_epoch_runs_in_one_pipeline_and_gives_its_own_batches(volume, decode_path, drop_last):
+    """Three epochs through a DataLoader: one pipeline, each epoch's batches exactly its samples (the 2 left
+    over by drop_last never open the next epoch), as the zarr-python read of each crop."""
+    uri, data = volume
+    ds = stoker.CropDataset(_source(uri).for_rank(0, 1), _cfg(drop_last=drop_last), copy=True, persistent=True)
+    pipelines = []
+    for epoch in range(3):
+        got = list(DataLoader(ds, batch_size=None))
+        assert len(got) == (6 if drop_last else 7)
+        assert np.array_equal(torch.cat(got).numpy(), _want(data, uri, epoch, stop=24 if drop_last else N))
+        pipelines.append(ds._kept[0])
+        assert ds.state_dict()["epoch"] == epoch + 1
+    assert pipelines[0] is pipelines[1] is pipelines[2]
+    assert pipelines[0].pending == 0 and pipelines[0].state_dict()["sources"] == []
+    ds.close()
+    assert ds._kept is None and pipelines[0]._closed
+    again = list(DataLoader(ds, batch_size=None))  # a closed dataset iterates again, in a new pipeline
+    assert np.array_equal(torch.cat(again).numpy(), _want(data, uri, 3, stop=24 if drop_last else N))
+
+
+def test_an_epoch_stopped_early_closes_its_pipeline_and_the_next_iteration_continues(volume):
+    uri, data = volume
+    with stoker.CropDataset(_source(uri).for_rank(0, 1), _cfg(), copy=True, persistent=True) as ds:
+        first = list(DataLoader(ds, batch_size=None))
+        kept = ds._kept[0]
+        head = []
+        for x in DataLoader(ds, batch_size=None):  # epoch 1, in the kept pipeline, stopped after 2 batches
+            head.append(x)
+            if len(head) == 2:
+                break
+        rest = list(DataLoader(ds, batch_size=None))  # its batches in flight are not this iteration's
+        assert kept._closed and ds._kept is not None and ds._kept[0] is not kept
+        assert np.array_equal(torch.cat(first).numpy(), _want(data, uri, 0))
+        assert np.array_equal(torch.cat(head + rest).numpy(), _want(data, uri, 1))
+        last = ds._kept[0]
+    assert last._closed and ds._kept is None  # the with block closed it
+
+
+def test_a_persistent_dataset_resumes_with_the_next_batch(volume):
+    """StatefulDataLoader's state of a persistent dataset (its last push's position) resumes exactly, in a
+    loader made afresh from it, also after whole epochs."""
+    sdl = pytest.importorskip("torchdata.stateful_dataloader")
+    uri, data = volume
+    make = lambda: sdl.StatefulDataLoader(stoker.CropDataset(_source(uri).for_rank(0, 1), _cfg(), copy=True,  # noqa: E731
+                                                             persistent=True), batch_size=None)
+    loader = make()
+    list(loader)  # epoch 0
+    it = iter(loader)
+    for _ in range(4):  # 4 batches of epoch 1
+        next(it)
+    state = pickle.loads(pickle.dumps(loader.state_dict()))
+    resumed = make()
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    assert np.array_equal(torch.cat(rest).numpy(), _want(data, uri, 1, 16, 24))
+    assert np.array_equal(torch.cat(list(resumed)).numpy(), _want(data, uri, 2))
+    assert pickle.loads(pickle.dumps(resumed.dataset)).state_dict() == resumed.dataset.state_dict()
+
+
+def test_drop_used_up_drops_the_leftovers_and_forgets_the_positions(volume):
+    uri, data = volume
+    src = _source(uri).for_rank(0, 1)
+    with stoker.Pipeline(_cfg()) as p:
+        p.push(src)
+        with pytest.raises(stoker.InvalidArgument, match="iteration has ended"):
+            p.drop_used_up()  # batches in flight, samples to give
+        got = [torch.from_dlpack(b).numpy().copy() for b in p]
+        assert len(got) == 6 and p.pending == 2 and len(p.state_dict()["sources"]) == 1
+        assert p.drop_used_up() == 2
+        assert p.pending == 0 and p.state_dict()["sources"] == [] and p.drop_used_up() == 0
+        src.set_epoch(1)
+        p.push(src)
+        with p.pop() as b:  # epoch 1's first batch: its first 4 samples, none of epoch 0's
+            assert np.array_equal(torch.from_dlpack(b).numpy(), _want(data, uri, 1, 0, 4))
+            assert b.keys[:, 0].tolist() == [1] * 4
+        assert p.state_dict()["sources"][-1]["position"] == 4
+
+
+# -- over HTTP with a disk cache --------------------------------------------------------------------
+
+SHAPE = (32, 64, 64)
+ARRAYS = {f"a{i}": dict(chunks=(16, 16, 16), dtype="int32", compressors=ZstdCodec(level=1)) for i in range(3)}
+_write = random_int_arrays(ARRAYS, SHAPE)
+data = written_tree_fixture(_write)
+http = range_server_fixture()
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_a_second_epoch_from_the_cache_asks_the_server_nothing_in_a_kept_pipeline(http, data, tmp_path,
+                                                                                 persistent):
+    """The first epoch fetches and caches; the same epoch again, in the pipeline kept, reads every chunk from the disk
+    cache without a request (its generations learnt in this pipeline, within cache_staleness_s), where a new
+    pipeline (persistent=False) revalidates each object it opens (HEADs, no body). Every batch equals the
+    zarr-python read of the files."""
+    cache = str(tmp_path / "cache")
+    uris = [f"{http.url}/{name}" for name in ARRAYS]
+    arrays = {u: zarr.open_array(os.path.join(data, name), mode="r")[:] for u, name in zip(uris, ARRAYS)}
+    source = stoker.RandomCrops(uris, (8, 16, 16), seed=4, samples_per_epoch=24)
+    cfg = _cfg(storage_options={http.url + "/": FAST_REMOTE}, cache_dir=cache, cache_bytes=64 << 20, dtype="i32")
+    ds = stoker.CropDataset(source.for_rank(0, 1), cfg, copy=True, persistent=persistent, with_samples=True)
+    asked = []
+    for _ in range(2):
+        ds.set_epoch(0)  # the same crops again: every chunk they need was fetched and cached by the first
+        start = len(http.log)
+        for samples, x in DataLoader(ds, batch_size=None):
+            want = np.stack([arrays[s.uri][tuple(slice(*ax) for ax in s.aabb)] for s in samples])
+            assert np.array_equal(x.numpy(), want)
+        asked.append([(m, p) for _, m, p in http.log[start:]])
+        assert disk_cache(cache, 64 << 20).flush(30)  # the first epoch's entries on disk
+    ds.close()
+    assert any(m == "GET" for m, _ in asked[0])
+    if persistent:
+        assert asked[1] == []
+    else:
+        assert asked[1] and all(m == "HEAD" for m, p in asked[1] if "/c/" in p)
