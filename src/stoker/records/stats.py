@@ -90,7 +90,9 @@ class FieldStats:
 
     @staticmethod
     def from_moments(m: Moments) -> "FieldStats":
-        return FieldStats(torch.tensor(m.count, dtype=torch.int64), m.mean, m.std, m.min, m.max, m.skipped.clone())
+        # the mean rounded once from its pair (Moments.mean_lo: what the float64 mean leaves out)
+        return FieldStats(torch.tensor(m.count, dtype=torch.int64), m.mean + m.mean_lo, m.std, m.min, m.max,
+                          m.skipped.clone())
 
     def to_json(self) -> dict[str, Any]:
         return {"count": int(self.count), **{k: getattr(self, k).tolist() for k in ("mean", "std", "min", "max")},
