@@ -37,7 +37,7 @@ from ..errors import InvalidArgument, NonFiniteData, StokerError
 from ..reader.array import ArrayReader, open_array
 from ..reader.coords import coding
 from ..records import sidecar
-from ..records.moments import F64, Moments
+from ..records.moments import F64, Moments, two_sum
 from ..records.stats import FieldStats, cached_entry
 from ..storage.artifacts import dataset_identity
 from ..storage.local import LocalStore
@@ -49,7 +49,7 @@ from .ordered import ordered_map
 if TYPE_CHECKING:
     from ..zarr.cf import CFCoding
 
-#: Most blocks an array's units are cut into: what one all_gather carries (5 numbers per channel each).
+#: Most blocks an array's units are cut into: what one all_gather carries (6 numbers per channel each).
 MAX_BLOCKS = 1024
 #: Longest wait for one unit's read (a read stuck on a hung mount is an error, not a hang).
 READ_TIMEOUT_S = 600.0
@@ -98,7 +98,8 @@ def _moments(x: np.ndarray, channel_axis: int | None) -> Moments:
     ``torch.get_num_threads()`` (torchrun sets ``OMP_NUM_THREADS=1`` for several ranks per node, a single
     process uses every core: 1 and 2 ranks would differ), and on a loaded host those threads made each
     chunk's moments 20 times slower than numpy's single-threaded pairwise sums. Same definitions: a
-    two-pass M2 within the unit, non-finite values left out and counted."""
+    two-pass M2 within the unit, about the mean with what its float64 rounding left out (``mean_lo``, which
+    the merges need where the spread is near the mean's resolution), non-finite values left out and counted."""
     x = np.asarray(x, dtype=np.float64)  # exact for every integer below 2**53
     if channel_axis is None:
         x = x.reshape(-1, 1)  # one column: numpy sums it pairwise
@@ -110,19 +111,26 @@ def _moments(x: np.ndarray, channel_axis: int | None) -> Moments:
     if n == 0:
         return Moments.empty(channels)
     finite = np.isfinite(x)
-    if finite.all():
-        mean = x.mean(axis=0)
-        m2 = np.square(x - mean).sum(axis=0)
-        lo, hi = x.min(axis=0), x.max(axis=0)
-        skipped = np.zeros(x.shape[1], dtype=np.int64)
-    else:
-        kept = finite.sum(axis=0)
-        mean = np.where(finite, x, 0.0).sum(axis=0) / np.maximum(kept, 1)  # 0 for a channel with none
-        m2 = np.square(np.where(finite, x - mean, 0.0)).sum(axis=0)
-        lo = np.where(finite, x, np.inf).min(axis=0)
-        hi = np.where(finite, x, -np.inf).max(axis=0)
-        skipped = (n - kept).astype(np.int64)
-    parts = [torch.from_numpy(np.ascontiguousarray(a)) for a in (mean, m2, lo, hi, skipped)]
+    with np.errstate(invalid="ignore", over="ignore"):  # an overflowing sum: a non-finite mean, as before
+        if finite.all():
+            mean = x.mean(axis=0)
+            dev = x - mean
+            rest = dev.mean(axis=0)
+            dev -= rest
+            m2 = np.square(dev, out=dev).sum(axis=0)
+            lo, hi = x.min(axis=0), x.max(axis=0)
+            skipped = np.zeros(x.shape[1], dtype=np.int64)
+        else:
+            kept = finite.sum(axis=0)
+            mean = np.where(finite, x, 0.0).sum(axis=0) / np.maximum(kept, 1)  # 0 for a channel with none
+            dev = np.where(finite, x - mean, 0.0)
+            rest = dev.sum(axis=0) / np.maximum(kept, 1)
+            m2 = np.square(np.where(finite, dev - rest, 0.0)).sum(axis=0)
+            lo = np.where(finite, x, np.inf).min(axis=0)
+            hi = np.where(finite, x, -np.inf).max(axis=0)
+            skipped = (n - kept).astype(np.int64)
+    parts = [torch.from_numpy(np.ascontiguousarray(a)) for a in (mean, m2, lo, hi, skipped, rest)]
+    parts[0], parts[5] = two_sum(parts[0], torch.where(torch.isfinite(parts[5]), parts[5], 0.0))
     if channels is None:
         parts = [p[0] for p in parts]
     return Moments(n, *parts)
