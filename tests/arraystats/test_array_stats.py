@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -630,3 +631,21 @@ def test_a_spread_near_the_mean_s_resolution_keeps_every_digit(tmp_path, channel
         got = (st.mean, st.std) if channel_axis is None else (st.mean[c], st.std[c])
         assert float(got[0]) == pytest.approx(float(mean), rel=1e-15, abs=0)
         assert float(got[1]) == pytest.approx(std, rel=1e-9, abs=0)
+
+
+def test_64_bit_integers_past_2_53_warn_that_the_float64_statistics_are_rounded(tmp_path):
+    """uint64 ids up to 2**64 - 1: float64 cannot hold them, so the max came back as 2**64 (no uint64 at all) and
+    nothing said so. The statistics are still float64 (what Normalize takes), with a RuntimeWarning naming the
+    array and what is exact; cached or not. Values within 2**53 warn nothing."""
+    ids = np.array([3, 2**53 + 1, 2**64 - 1, 17], dtype=np.uint64)
+    uri = write(tmp_path / "ids.zarr", ids, (2,))
+    for _ in range(2):  # computed, then from the cache
+        with pytest.warns(RuntimeWarning, match=r"ids\.zarr.*2\*\*53") as got:
+            st = stoker.compute_stats(uri, progress=False)
+        assert "max" in str(got[0].message)
+    assert float(st.max) == float(zarr.open_array(uri, mode="r")[...].max())  # rounded, as the warning says
+    small = write(tmp_path / "small.zarr", np.array([-(2**53 - 1), 2**53 - 1, 5], dtype=np.int64), (2,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        st = stoker.compute_stats(small, progress=False)
+    assert float(st.min) == -(2**53 - 1) and float(st.max) == 2**53 - 1

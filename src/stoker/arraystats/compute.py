@@ -284,6 +284,21 @@ def _from_entry(entry: dict | None, channels: int | None) -> FieldStats | None:
     return st
 
 
+def _warn_if_rounded(reader: ArrayReader, code: CFCoding | None, st: FieldStats) -> None:
+    """A RuntimeWarning where ``st`` describes 64-bit integers at or past 2**53 (unless CF scaling makes them
+    floats anyway): float64 rounds them, so ``min``/``max`` may be no stored value (uint64's 2**64 - 1 reads
+    2**64) and ids compared with them would silently differ; the statistics are still right for ``Normalize``."""
+    if reader.dtype.kind not in "iu" or reader.dtype.itemsize < 8:
+        return
+    if code is not None and (code.scale is not None or code.offset is not None):
+        return
+    if float(torch.maximum(st.min.abs(), st.max.abs()).max()) >= 2.0**53:
+        warnings.warn(f"{reader.uri}: its {reader.dtype} values reach {float(st.min.min()):.17g} .. "
+                      f"{float(st.max.max()):.17g}, at or past 2**53, where float64 rounds integers: the float64 min, "
+                      "max and mean are rounded (the max may be no stored value). For exact extremes of ids, read "
+                      "them with numpy in their own dtype", RuntimeWarning, stacklevel=5)
+
+
 def _one_array(uri: str, region: Any, channel_axis: int | None, nonfinite: str, group: Any, cache: bool,
                threads: int, timeout_s: float, progress: bool, storage_options: dict | None,
                store: LocalStore | None, cf: bool = True) -> tuple[FieldStats, Box]:
@@ -305,13 +320,14 @@ def _one_array(uri: str, region: Any, channel_axis: int | None, nonfinite: str, 
         raise InvalidArgument(f"ranks see different data at {uri} (its fingerprints differ: another file "
                               "system, or the array changed while they looked)", uri=uri)
     folder = identity.folder_of(uri, storage_options) if fp else None
+    # the values a batch holds: with cf (as Config(cf=True), the default) packed values unpacked, fills NaN
+    code = coding(reader, options=storage_options) if cf else None
     held, entry = cached_entry(folder, fp, lead, world, group) if folder and fp else (None, None)
     try:
         st = _from_entry(entry, channels)
         if st is not None:  # every rank holds rank 0's entry: all return here, or none
+            _warn_if_rounded(reader, code, st)
             return st, box
-        # the values a batch holds: with cf (as Config(cf=True), the default) packed values unpacked, fills NaN
-        code = coding(reader, options=storage_options) if cf else None
         st = _compute(reader, box, axis, nonfinite == "skip", group, threads, timeout_s, progress and lead, code)
         if folder is not None and fp is not None:
             if lead:
@@ -326,6 +342,7 @@ def _one_array(uri: str, region: Any, channel_axis: int | None, nonfinite: str, 
                 except OSError as exc:  # read-only data is common: the statistics are still right
                     warnings.warn(f"could not write {sidecar.path_for(folder)}: {exc}", RuntimeWarning, stacklevel=4)
             barrier(group)  # the file is in place (or known unwritable) before anyone goes on
+        _warn_if_rounded(reader, code, st)
         return st, box
     finally:
         if held is not None:
@@ -363,7 +380,8 @@ def compute_array_stats(arrays_or_fields: Any, region: Any = None, *, channel_ax
     ``nonfinite``: NaN and infinities are left out and counted per channel in ``FieldStats.skipped``
     (``"skip"``, the default: arrays often hold NaN for missing values), or a
     :class:`~stoker.errors.NonFiniteData` naming the array and the box (``"raise"``). A region without a finite
-    value is a NonFiniteData either way. Integers are exact in float64 up to 2**53.
+    value is a NonFiniteData either way. Integers are exact in float64 up to 2**53: 64-bit integers at or
+    past it (ids) give a RuntimeWarning, as their float64 min and max are rounded.
 
     ``cf``: the statistics of the values a batch holds with ``Config(cf=True)`` (the default): CF attributes
     (``scale_factor``, ``add_offset``, ``_FillValue``/``missing_value``, as xarray writes a packed variable)
