@@ -312,6 +312,10 @@ def _worker(rank: int, world: int, tmp: str, uris: dict) -> None:
             out["failed"] = [type(exc).__name__, str(exc)]
         finally:
             ArrayReader.read = real  # type: ignore[method-assign]
+        try:  # the last rank cannot open the array (its node lacks the path): every rank raises, none waits
+            stoker.compute_stats(uris["f"] if rank < world - 1 else os.path.join(tmp, "absent.zarr"), cache=False)
+        except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
+            out["unopened"] = [type(exc).__name__, str(exc)]
         write_result(tmp, rank, out)
         dist.barrier()
 
@@ -370,6 +374,11 @@ def test_cache_over_ranks_and_errors_on_every_rank(ranked):
         assert results[-1]["failed"] == ["OSError", f"disk error reading {uris['g']}"]
         for res in results[:-1]:
             assert res["failed"][0] == "StokerError" and f"rank(s) [{world - 1}]" in res["failed"][1]
+        # a rank that cannot open the array raises why; the others a StokerError naming it, at once
+        assert results[-1]["unopened"][0] == "NotFound"
+        for res in results[:-1]:
+            assert res["unopened"][0] == "StokerError" and f"rank(s) [{world - 1}]" in res["unopened"][1]
+            assert "f.zarr" in res["unopened"][1]
         if world == 2:
             assert all("ranks see different data" in res["different"] for res in results)
         else:

@@ -13,9 +13,10 @@ blocks, a function of the unit count alone; rank ``r`` of ``w`` reads blocks ``r
 and one ``all_gather`` brings every block's moments to every rank, merged in block order. So every rank
 returns the same bits, and so does any world size (the same blocks are merged in the same order).
 
-Before any collective, the ranks compare the arrays' fingerprints (a rank seeing other data fails them
-all); a rank that fails while reading tells the others in a header collective, so all raise instead of
-one waiting for ever. The result of each array is cached as the record statistics are
+Before any other collective, the ranks compare the arrays' fingerprints and whether each could open the
+array (a rank seeing other data, or failing to open it, fails them all); a rank that fails while reading
+tells the others in a header collective, so all raise instead of one waiting for ever. The result of
+each array is cached as the record statistics are
 (:mod:`stoker.records.sidecar`, ``.stoker-stats.json`` in the array's folder, or its folder of
 ``$STOKER_CACHE`` for an array in a store), keyed by :func:`stoker.arraystats.identity.fingerprint`.
 """
@@ -299,10 +300,10 @@ def _warn_if_rounded(reader: ArrayReader, code: CFCoding | None, st: FieldStats)
                       "them with numpy in their own dtype", RuntimeWarning, stacklevel=5)
 
 
-def _one_array(uri: str, region: Any, channel_axis: int | None, nonfinite: str, group: Any, cache: bool,
-               threads: int, timeout_s: float, progress: bool, storage_options: dict | None,
-               store: LocalStore | None, cf: bool = True) -> tuple[FieldStats, Box]:
-    """The statistics of one array (from its cache entry, or computed by every rank and then cached)."""
+def _open(uri: str, region: Any, channel_axis: int | None, nonfinite: str, cache: bool,
+          storage_options: dict | None, store: LocalStore | None, cf: bool) -> tuple:
+    """``(reader, box, axis, fingerprint or None, CF coding or None)`` of one array on this rank: what may fail on
+    one rank alone (a path its node lacks, a store it cannot list), before any collective."""
     reader = open_array(uri, storage_options, store=store)
     _check_array(reader, channel_axis)
     box = parse_region(region, reader.shape, uri, reader, storage_options)
@@ -310,18 +311,41 @@ def _one_array(uri: str, region: Any, channel_axis: int | None, nonfinite: str, 
         raise InvalidArgument(f"compute_stats: {uri} holds no elements (shape {tuple(reader.shape)}): there is "
                               "nothing to compute statistics of", uri=uri)
     axis = None if channel_axis is None else channel_axis % reader.ndim
-    channels = _channels(box, axis)
-    lead = rank_info(group).rank == 0
-    _, world = group_position(group)
     fp = identity.fingerprint(reader, box, axis, nonfinite, cf) if cache else None
-    # Ranks seeing other data must fail here, together, before any of them waits for a claim or a read.
-    mine = int(fp[:14], 16) if fp else 0
-    if len({int(h[0]) for h in all_gather(torch.tensor([mine], dtype=torch.int64), group)}) > 1:
-        raise InvalidArgument(f"ranks see different data at {uri} (its fingerprints differ: another file "
-                              "system, or the array changed while they looked)", uri=uri)
-    folder = identity.folder_of(uri, storage_options) if fp else None
     # the values a batch holds: with cf (as Config(cf=True), the default) packed values unpacked, fills NaN
     code = coding(reader, options=storage_options) if cf else None
+    return reader, box, axis, fp, code
+
+
+def _one_array(uri: str, region: Any, channel_axis: int | None, nonfinite: str, group: Any, cache: bool,
+               threads: int, timeout_s: float, progress: bool, storage_options: dict | None,
+               store: LocalStore | None, cf: bool = True) -> tuple[FieldStats, Box]:
+    """The statistics of one array (from its cache entry, or computed by every rank and then cached)."""
+    lead = rank_info(group).rank == 0
+    _, world = group_position(group)
+    opened: tuple | None = None
+    error: BaseException | None = None
+    try:
+        opened = _open(uri, region, channel_axis, nonfinite, cache, storage_options, store, cf)
+    except Exception as exc:  # noqa: BLE001 - told to every rank below, raised here
+        error = exc
+    # Every rank says whether it could open the array, and what it sees, before any of them waits for a claim
+    # or a read: a rank that failed (a path its node lacks) or sees other data fails them all, none waits.
+    mine = int(opened[3][:14], 16) if opened is not None and opened[3] else 0
+    headers = all_gather(torch.tensor([_FAILED if error is not None else _OK, mine], dtype=torch.int64), group)
+    failed = [r for r, h in enumerate(headers) if int(h[0]) == _FAILED]
+    if error is not None:
+        raise error
+    if failed:
+        raise StokerError(f"compute_stats: rank(s) {failed} could not open or identify {uri}; the cause is raised "
+                          "there", ranks=failed, uri=uri)
+    assert opened is not None
+    reader, box, axis, fp, code = opened
+    if len({int(h[1]) for h in headers}) > 1:
+        raise InvalidArgument(f"ranks see different data at {uri} (its fingerprints differ: another file "
+                              "system, or the array changed while they looked)", uri=uri)
+    channels = _channels(box, axis)
+    folder = identity.folder_of(uri, storage_options) if fp else None
     held, entry = cached_entry(folder, fp, lead, world, group) if folder and fp else (None, None)
     try:
         st = _from_entry(entry, channels)
