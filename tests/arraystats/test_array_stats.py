@@ -173,6 +173,14 @@ def test_nonfinite_raise_names_the_array_and_box(arrays, tmp_path):
     nan = write(tmp_path / "nan.zarr", np.full((4, 4), np.nan, dtype=np.float32), (2, 2))
     with pytest.raises(NonFiniteData, match="no finite value"):
         stoker.compute_stats(nan, cache=False)
+    # per channel: the count is the empty channel's (10), not every channel's non-finite values (14)
+    part = np.ones((3, 10), dtype=np.float32)
+    part[1] = np.nan
+    part[2, :4] = np.inf
+    part_uri = write(tmp_path / "part.zarr", part, (1, 5))
+    with pytest.raises(NonFiniteData, match=r"no finite value in channel\(s\) \[1\], only 10 non-finite") as info:
+        stoker.compute_stats(part_uri, channel_axis=0, cache=False)
+    assert info.value.count == 10
 
 
 def test_cache_hit_reads_no_chunk_and_a_write_invalidates(tmp_path):

@@ -266,9 +266,10 @@ def _compute(reader: ArrayReader, box: Box, channel_axis: int | None, skip: bool
     empty = ((merged.finite == 0) & (skipped > 0)).reshape(-1)
     if bool(empty.any()):
         where = "" if channels is None else f" in channel(s) {torch.nonzero(empty).reshape(-1).tolist()}"
-        raise NonFiniteData(f"{reader.uri}: the region holds no finite value{where}, only "
-                            f"{int(skipped.sum())} non-finite ones: there is nothing to compute statistics "
-                            "of; choose another region", uri=reader.uri, count=int(skipped.sum()))
+        count = int(skipped.reshape(-1)[empty].sum())  # the empty channels' own, not every channel's
+        raise NonFiniteData(f"{reader.uri}: the region holds no finite value{where}, only {count} non-finite "
+                            "ones: there is nothing to compute statistics of; choose another region", uri=reader.uri,
+                            count=count)
     return FieldStats.from_moments(merged)
 
 
