@@ -161,6 +161,17 @@ def test_argument_errors_name_what_is_wrong(arrays):
         stoker.compute_stats(f, nonfinite="zero", cache=False)
     with pytest.raises(InvalidArgument, match="empty"):
         stoker.compute_stats([], cache=False)
+    with pytest.raises(InvalidArgument, match="timeout_s must be a number of seconds") as info:
+        stoker.compute_stats(f, timeout_s="10", cache=False)  # was a TypeError from the comparison
+    assert info.value.knob == "timeout_s"
+
+
+@pytest.mark.parametrize("timeout_s", [float("inf"), 1e300])
+def test_an_unbounded_read_timeout_waits_instead_of_overflowing(arrays, timeout_s):
+    """timeout_s=inf (no limit) or a huge number: an OverflowError from the wait ("timestamp out of range for
+    platform time_t") before any statistics; now the wait is capped at what the platform can wait."""
+    f = arrays["float_nan"]
+    assert_matches(stoker.compute_stats(f, timeout_s=timeout_s, cache=False, threads=2), truth(f))
 
 
 def test_nonfinite_raise_names_the_array_and_box(arrays, tmp_path):

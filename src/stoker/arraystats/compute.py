@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 import torch
 
+from ..checks import seconds
 from ..dist.collectives import all_gather, barrier, group_position, rank_info
 from ..errors import InvalidArgument, NonFiniteData, StokerError
 from ..reader.array import ArrayReader, open_array
@@ -435,8 +436,7 @@ def compute_array_stats(arrays_or_fields: Any, region: Any = None, *, channel_ax
     threads = min(8, os.cpu_count() or 1) if threads is None else threads
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise InvalidArgument(f"threads must be an int >= 1, got {threads!r}", knob="threads")
-    if not timeout_s > 0:
-        raise InvalidArgument(f"timeout_s must be > 0, got {timeout_s!r}", knob="timeout_s")
+    timeout_s = seconds("compute_stats: timeout_s", timeout_s, knob="timeout_s")
     kind, entries = parse_entries(arrays_or_fields)
     if channel_axis is not None:
         for e in entries:
