@@ -166,6 +166,14 @@ def test_argument_errors_name_what_is_wrong(arrays):
     assert info.value.knob == "timeout_s"
 
 
+def test_numpy_integers_are_ints_for_channel_axis_and_threads(arrays):
+    """channel_axis=np.int64(0) (what numpy's own lookups return) was refused as "must be an int", though region
+    bounds take numpy integers; it is the int it holds."""
+    u = arrays["uint8_channels"]
+    st = stoker.compute_stats(u, channel_axis=np.int64(0), threads=np.int32(2), cache=False)
+    assert_matches(st, truth(u, channel_axis=0))
+
+
 @pytest.mark.parametrize("timeout_s", [float("inf"), 1e300])
 def test_an_unbounded_read_timeout_waits_instead_of_overflowing(arrays, timeout_s):
     """timeout_s=inf (no limit) or a huge number: an OverflowError from the wait ("timestamp out of range for

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import os
 import time
 import warnings
@@ -431,11 +432,14 @@ def compute_array_stats(arrays_or_fields: Any, region: Any = None, *, channel_ax
     """
     if nonfinite not in _NONFINITE:
         raise InvalidArgument(f"nonfinite must be one of {_NONFINITE}, got {nonfinite!r}", knob="nonfinite")
-    if channel_axis is not None and (isinstance(channel_axis, bool) or not isinstance(channel_axis, int)):
+    # numpy integers too (what numpy's lookups return), as region bounds take them; plain ints from here on
+    if channel_axis is not None and (isinstance(channel_axis, bool) or not isinstance(channel_axis, numbers.Integral)):
         raise InvalidArgument(f"channel_axis must be an int or None, got {channel_axis!r}", knob="channel_axis")
+    channel_axis = None if channel_axis is None else int(channel_axis)
     threads = min(8, os.cpu_count() or 1) if threads is None else threads
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+    if isinstance(threads, bool) or not isinstance(threads, numbers.Integral) or threads < 1:
         raise InvalidArgument(f"threads must be an int >= 1, got {threads!r}", knob="threads")
+    threads = int(threads)
     timeout_s = seconds("compute_stats: timeout_s", timeout_s, knob="timeout_s")
     kind, entries = parse_entries(arrays_or_fields)
     if channel_axis is not None:
