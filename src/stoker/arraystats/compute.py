@@ -23,7 +23,9 @@ each array is cached as the record statistics are
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import itertools
 import math
 import numbers
 import os
@@ -83,6 +85,23 @@ class Units:
             index = self.first[axis] + k
             out.append((max(start, index * c), min(stop, (index + 1) * c)))
         return tuple(reversed(out))
+
+
+class _Chained(Sequence[int]):
+    """The unit indices of consecutive ``ranges`` (a rank's blocks) one after the other, never listed."""
+
+    def __init__(self, ranges: Sequence[range]) -> None:
+        self.ranges = list(ranges)
+        self.starts = list(itertools.accumulate((len(r) for r in self.ranges), initial=0))
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def __getitem__(self, i: int) -> int:  # type: ignore[override]  # ints only: what ordered_map asks
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        b = bisect.bisect_right(self.starts, i) - 1
+        return self.ranges[b][i - self.starts[b]]
 
 
 def blocks(n_units: int) -> list[range]:
@@ -181,7 +200,7 @@ def _local_pass(reader: ArrayReader, units: Units, mine: list[range], channel_ax
     """This rank's blocks' moments (each block merged in unit order), or, unless ``skip``, the first unit
     holding non-finite values (``(unit, count)``: no need to read further). ``code``: the CF decoding applied
     to what is read (in float64, as the pipeline decodes before its one rounding), or None."""
-    order = [u for block in mine for u in block]
+    order = _Chained(mine)  # never listed: a list of every unit index grows with the array (36 bytes a chunk)
     bar = _Progress(len(order), reader.uri, show)
 
     def one(u: int) -> Moments:
