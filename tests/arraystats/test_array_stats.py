@@ -161,6 +161,10 @@ def test_argument_errors_name_what_is_wrong(arrays):
         stoker.compute_stats(f, nonfinite="zero", cache=False)
     with pytest.raises(InvalidArgument, match="empty"):
         stoker.compute_stats([], cache=False)
+    # cf="False" (from a config file) was truthy: the decoded values' statistics, not the stored ones asked for
+    with pytest.raises(InvalidArgument, match="cf must be True") as info:
+        stoker.compute_stats(f, cf="False", cache=False)
+    assert info.value.knob == "cf"
     with pytest.raises(InvalidArgument, match="timeout_s must be a number of seconds") as info:
         stoker.compute_stats(f, timeout_s="10", cache=False)  # was a TypeError from the comparison
     assert info.value.knob == "timeout_s"

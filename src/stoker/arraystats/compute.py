@@ -460,6 +460,9 @@ def compute_array_stats(arrays_or_fields: Any, region: Any = None, *, channel_ax
         raise InvalidArgument(f"threads must be an int >= 1, got {threads!r}", knob="threads")
     threads = int(threads)
     timeout_s = seconds("compute_stats: timeout_s", timeout_s, knob="timeout_s")
+    if not isinstance(cf, (bool, np.bool_)):  # as Config.cf: a truthy "False" would decode what was asked raw
+        raise InvalidArgument(f"compute_stats: cf must be True (the values a Config(cf=True) batch holds) or False "
+                              f"(the stored values), got {cf!r}", knob="cf")
     kind, entries = parse_entries(arrays_or_fields)
     if channel_axis is not None:
         for e in entries:
