@@ -540,6 +540,35 @@ def test_moments_merge_is_stable_with_a_large_offset():
     assert all(torch.equal(getattr(back, k), getattr(m, k)) for k in ("mean", "m2", "min", "max"))
 
 
+def _exact_mean_std(values: np.ndarray) -> tuple[float, float]:
+    """Mean and population std of ``values`` (1-d float64) in exact rational arithmetic, rounded once."""
+    from fractions import Fraction
+
+    xs = [Fraction(float(v)) for v in values]
+    mean = sum(xs) / len(xs)
+    return float(mean), float(sum((x - mean) ** 2 for x in xs) / len(xs)) ** 0.5
+
+
+def test_moments_merge_keeps_every_digit_of_a_spread_near_the_mean_s_resolution():
+    """Pieces of 1e12 + noise of 1e-3 (float64 resolves 1.2e-4 there): each piece's mean rounded to float64 is
+    off by up to half that, a tenth of the noise, and a merge that takes the rounded means' differences for the
+    spread between pieces made the std 0.7 % too large. Against exact rational arithmetic."""
+    rng = np.random.default_rng(5)
+    parts = [1e12 + rng.normal(scale=1e-3, size=(n, 2)) for n in rng.integers(1, 8, size=600)]
+    parts[3][1, 1] = np.nan  # the masked path too
+    m = Moments.empty(2)
+    for p in parts:
+        m = m.merge(Moments.of(torch.from_numpy(p)))
+    m = Moments.unpack(m.pack(), 2)  # as ranks exchange them
+    st = FieldStats.from_moments(m)
+    flat = np.concatenate(parts)
+    for c in range(2):
+        col = flat[:, c][np.isfinite(flat[:, c])]
+        mean, std = _exact_mean_std(col)
+        assert float(st.mean[c]) == pytest.approx(mean, rel=1e-15, abs=0)
+        assert float(st.std[c]) == pytest.approx(std, rel=1e-9, abs=0)
+
+
 def test_derived_stats_come_from_normalised_positions(data):
     root, truth = data
     ds = ZarrRecords(root, fields=SPEC)

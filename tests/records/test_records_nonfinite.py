@@ -86,6 +86,12 @@ def test_skipping_matches_numpys_nan_aware_statistics(data):
     with pytest.raises(NonFiniteData, match="holds no finite value in channel"):
         compute_stats(ds, ["velocity"], derived={"nan": lambda s: s["velocity"] * torch.nan}, derived_input="normalized",
                       nonfinite="skip", cache=False)
+    # one channel without a finite value: the count is that channel's, not every channel's (the other holds one)
+    n = sum(ds[i]["positions"][..., 0].numel() for i in range(len(ds)))
+    with pytest.raises(NonFiniteData, match=rf"in channel\(s\) \[0\], only {n} non-finite") as info:
+        compute_stats(ds, ["positions"], derived={"x0": lambda s: s["positions"][..., [0, 2]] * torch.tensor(
+            [torch.nan, 1.0], dtype=s["positions"].dtype)}, derived_input="raw", nonfinite="skip", cache=False)
+    assert info.value.count == n
 
 
 def test_the_sidecar_records_skipped_counts_under_its_own_policy(tmp_path):

@@ -13,17 +13,21 @@ blocks, a function of the unit count alone; rank ``r`` of ``w`` reads blocks ``r
 and one ``all_gather`` brings every block's moments to every rank, merged in block order. So every rank
 returns the same bits, and so does any world size (the same blocks are merged in the same order).
 
-Before any collective, the ranks compare the arrays' fingerprints (a rank seeing other data fails them
-all); a rank that fails while reading tells the others in a header collective, so all raise instead of
-one waiting for ever. The result of each array is cached as the record statistics are
+Before any other collective, the ranks compare the arrays' fingerprints and whether each could open the
+array (a rank seeing other data, or failing to open it, fails them all); a rank that fails while reading
+tells the others in a header collective, so all raise instead of one waiting for ever. The result of
+each array is cached as the record statistics are
 (:mod:`stoker.records.sidecar`, ``.stoker-stats.json`` in the array's folder, or its folder of
 ``$STOKER_CACHE`` for an array in a store), keyed by :func:`stoker.arraystats.identity.fingerprint`.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import itertools
 import math
+import numbers
 import os
 import time
 import warnings
@@ -32,12 +36,13 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 import torch
 
+from ..checks import seconds
 from ..dist.collectives import all_gather, barrier, group_position, rank_info
 from ..errors import InvalidArgument, NonFiniteData, StokerError
 from ..reader.array import ArrayReader, open_array
 from ..reader.coords import coding
 from ..records import sidecar
-from ..records.moments import F64, Moments
+from ..records.moments import F64, Moments, two_sum
 from ..records.stats import FieldStats, cached_entry
 from ..storage.artifacts import dataset_identity
 from ..storage.local import LocalStore
@@ -49,7 +54,7 @@ from .ordered import ordered_map
 if TYPE_CHECKING:
     from ..zarr.cf import CFCoding
 
-#: Most blocks an array's units are cut into: what one all_gather carries (5 numbers per channel each).
+#: Most blocks an array's units are cut into: what one all_gather carries (6 numbers per channel each).
 MAX_BLOCKS = 1024
 #: Longest wait for one unit's read (a read stuck on a hung mount is an error, not a hang).
 READ_TIMEOUT_S = 600.0
@@ -82,6 +87,23 @@ class Units:
         return tuple(reversed(out))
 
 
+class _Chained(Sequence[int]):
+    """The unit indices of consecutive ``ranges`` (a rank's blocks) one after the other, never listed."""
+
+    def __init__(self, ranges: Sequence[range]) -> None:
+        self.ranges = list(ranges)
+        self.starts = list(itertools.accumulate((len(r) for r in self.ranges), initial=0))
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def __getitem__(self, i: int) -> int:  # type: ignore[override]  # ints only: what ordered_map asks
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        b = bisect.bisect_right(self.starts, i) - 1
+        return self.ranges[b][i - self.starts[b]]
+
+
 def blocks(n_units: int) -> list[range]:
     """The consecutive blocks ``n_units`` units are cut into: a function of ``n_units`` alone."""
     n = min(n_units, MAX_BLOCKS)
@@ -98,7 +120,8 @@ def _moments(x: np.ndarray, channel_axis: int | None) -> Moments:
     ``torch.get_num_threads()`` (torchrun sets ``OMP_NUM_THREADS=1`` for several ranks per node, a single
     process uses every core: 1 and 2 ranks would differ), and on a loaded host those threads made each
     chunk's moments 20 times slower than numpy's single-threaded pairwise sums. Same definitions: a
-    two-pass M2 within the unit, non-finite values left out and counted."""
+    two-pass M2 within the unit, about the mean with what its float64 rounding left out (``mean_lo``, which
+    the merges need where the spread is near the mean's resolution), non-finite values left out and counted."""
     x = np.asarray(x, dtype=np.float64)  # exact for every integer below 2**53
     if channel_axis is None:
         x = x.reshape(-1, 1)  # one column: numpy sums it pairwise
@@ -110,19 +133,26 @@ def _moments(x: np.ndarray, channel_axis: int | None) -> Moments:
     if n == 0:
         return Moments.empty(channels)
     finite = np.isfinite(x)
-    if finite.all():
-        mean = x.mean(axis=0)
-        m2 = np.square(x - mean).sum(axis=0)
-        lo, hi = x.min(axis=0), x.max(axis=0)
-        skipped = np.zeros(x.shape[1], dtype=np.int64)
-    else:
-        kept = finite.sum(axis=0)
-        mean = np.where(finite, x, 0.0).sum(axis=0) / np.maximum(kept, 1)  # 0 for a channel with none
-        m2 = np.square(np.where(finite, x - mean, 0.0)).sum(axis=0)
-        lo = np.where(finite, x, np.inf).min(axis=0)
-        hi = np.where(finite, x, -np.inf).max(axis=0)
-        skipped = (n - kept).astype(np.int64)
-    parts = [torch.from_numpy(np.ascontiguousarray(a)) for a in (mean, m2, lo, hi, skipped)]
+    with np.errstate(invalid="ignore", over="ignore"):  # an overflowing sum: a non-finite mean, as before
+        if finite.all():
+            mean = x.mean(axis=0)
+            dev = x - mean
+            rest = dev.mean(axis=0)
+            dev -= rest
+            m2 = np.square(dev, out=dev).sum(axis=0)
+            lo, hi = x.min(axis=0), x.max(axis=0)
+            skipped = np.zeros(x.shape[1], dtype=np.int64)
+        else:
+            kept = finite.sum(axis=0)
+            mean = np.where(finite, x, 0.0).sum(axis=0) / np.maximum(kept, 1)  # 0 for a channel with none
+            dev = np.where(finite, x - mean, 0.0)
+            rest = dev.sum(axis=0) / np.maximum(kept, 1)
+            m2 = np.square(np.where(finite, dev - rest, 0.0)).sum(axis=0)
+            lo = np.where(finite, x, np.inf).min(axis=0)
+            hi = np.where(finite, x, -np.inf).max(axis=0)
+            skipped = (n - kept).astype(np.int64)
+    parts = [torch.from_numpy(np.ascontiguousarray(a)) for a in (mean, m2, lo, hi, skipped, rest)]
+    parts[0], parts[5] = two_sum(parts[0], torch.where(torch.isfinite(parts[5]), parts[5], 0.0))
     if channels is None:
         parts = [p[0] for p in parts]
     return Moments(n, *parts)
@@ -170,7 +200,7 @@ def _local_pass(reader: ArrayReader, units: Units, mine: list[range], channel_ax
     """This rank's blocks' moments (each block merged in unit order), or, unless ``skip``, the first unit
     holding non-finite values (``(unit, count)``: no need to read further). ``code``: the CF decoding applied
     to what is read (in float64, as the pipeline decodes before its one rounding), or None."""
-    order = [u for block in mine for u in block]
+    order = _Chained(mine)  # never listed: a list of every unit index grows with the array (36 bytes a chunk)
     bar = _Progress(len(order), reader.uri, show)
 
     def one(u: int) -> Moments:
@@ -257,9 +287,10 @@ def _compute(reader: ArrayReader, box: Box, channel_axis: int | None, skip: bool
     empty = ((merged.finite == 0) & (skipped > 0)).reshape(-1)
     if bool(empty.any()):
         where = "" if channels is None else f" in channel(s) {torch.nonzero(empty).reshape(-1).tolist()}"
-        raise NonFiniteData(f"{reader.uri}: the region holds no finite value{where}, only "
-                            f"{int(skipped.sum())} non-finite ones: there is nothing to compute statistics "
-                            "of; choose another region", uri=reader.uri, count=int(skipped.sum()))
+        count = int(skipped.reshape(-1)[empty].sum())  # the empty channels' own, not every channel's
+        raise NonFiniteData(f"{reader.uri}: the region holds no finite value{where}, only {count} non-finite "
+                            "ones: there is nothing to compute statistics of; choose another region", uri=reader.uri,
+                            count=count)
     return FieldStats.from_moments(merged)
 
 
@@ -276,10 +307,25 @@ def _from_entry(entry: dict | None, channels: int | None) -> FieldStats | None:
     return st
 
 
-def _one_array(uri: str, region: Any, channel_axis: int | None, nonfinite: str, group: Any, cache: bool,
-               threads: int, timeout_s: float, progress: bool, storage_options: dict | None,
-               store: LocalStore | None, cf: bool = True) -> tuple[FieldStats, Box]:
-    """The statistics of one array (from its cache entry, or computed by every rank and then cached)."""
+def _warn_if_rounded(reader: ArrayReader, code: CFCoding | None, st: FieldStats) -> None:
+    """A RuntimeWarning where ``st`` describes 64-bit integers at or past 2**53 (unless CF scaling makes them
+    floats anyway): float64 rounds them, so ``min``/``max`` may be no stored value (uint64's 2**64 - 1 reads
+    2**64) and ids compared with them would silently differ; the statistics are still right for ``Normalize``."""
+    if reader.dtype.kind not in "iu" or reader.dtype.itemsize < 8:
+        return
+    if code is not None and (code.scale is not None or code.offset is not None):
+        return
+    if float(torch.maximum(st.min.abs(), st.max.abs()).max()) >= 2.0**53:
+        warnings.warn(f"{reader.uri}: its {reader.dtype} values reach {float(st.min.min()):.17g} .. "
+                      f"{float(st.max.max()):.17g}, at or past 2**53, where float64 rounds integers: the float64 min, "
+                      "max and mean are rounded (the max may be no stored value). For exact extremes of ids, read "
+                      "them with numpy in their own dtype", RuntimeWarning, stacklevel=5)
+
+
+def _open(uri: str, region: Any, channel_axis: int | None, nonfinite: str, cache: bool,
+          storage_options: dict | None, store: LocalStore | None, cf: bool) -> tuple:
+    """``(reader, box, axis, fingerprint or None, CF coding or None)`` of one array on this rank: what may fail on
+    one rank alone (a path its node lacks, a store it cannot list), before any collective."""
     reader = open_array(uri, storage_options, store=store)
     _check_array(reader, channel_axis)
     box = parse_region(region, reader.shape, uri, reader, storage_options)
@@ -287,23 +333,47 @@ def _one_array(uri: str, region: Any, channel_axis: int | None, nonfinite: str, 
         raise InvalidArgument(f"compute_stats: {uri} holds no elements (shape {tuple(reader.shape)}): there is "
                               "nothing to compute statistics of", uri=uri)
     axis = None if channel_axis is None else channel_axis % reader.ndim
-    channels = _channels(box, axis)
+    fp = identity.fingerprint(reader, box, axis, nonfinite, cf) if cache else None
+    # the values a batch holds: with cf (as Config(cf=True), the default) packed values unpacked, fills NaN
+    code = coding(reader, options=storage_options) if cf else None
+    return reader, box, axis, fp, code
+
+
+def _one_array(uri: str, region: Any, channel_axis: int | None, nonfinite: str, group: Any, cache: bool,
+               threads: int, timeout_s: float, progress: bool, storage_options: dict | None,
+               store: LocalStore | None, cf: bool = True) -> tuple[FieldStats, Box]:
+    """The statistics of one array (from its cache entry, or computed by every rank and then cached)."""
     lead = rank_info(group).rank == 0
     _, world = group_position(group)
-    fp = identity.fingerprint(reader, box, axis, nonfinite, cf) if cache else None
-    # Ranks seeing other data must fail here, together, before any of them waits for a claim or a read.
-    mine = int(fp[:14], 16) if fp else 0
-    if len({int(h[0]) for h in all_gather(torch.tensor([mine], dtype=torch.int64), group)}) > 1:
+    opened: tuple | None = None
+    error: BaseException | None = None
+    try:
+        opened = _open(uri, region, channel_axis, nonfinite, cache, storage_options, store, cf)
+    except Exception as exc:  # noqa: BLE001 - told to every rank below, raised here
+        error = exc
+    # Every rank says whether it could open the array, and what it sees, before any of them waits for a claim
+    # or a read: a rank that failed (a path its node lacks) or sees other data fails them all, none waits.
+    mine = int(opened[3][:14], 16) if opened is not None and opened[3] else 0
+    headers = all_gather(torch.tensor([_FAILED if error is not None else _OK, mine], dtype=torch.int64), group)
+    failed = [r for r, h in enumerate(headers) if int(h[0]) == _FAILED]
+    if error is not None:
+        raise error
+    if failed:
+        raise StokerError(f"compute_stats: rank(s) {failed} could not open or identify {uri}; the cause is raised "
+                          "there", ranks=failed, uri=uri)
+    assert opened is not None
+    reader, box, axis, fp, code = opened
+    if len({int(h[1]) for h in headers}) > 1:
         raise InvalidArgument(f"ranks see different data at {uri} (its fingerprints differ: another file "
                               "system, or the array changed while they looked)", uri=uri)
+    channels = _channels(box, axis)
     folder = identity.folder_of(uri, storage_options) if fp else None
     held, entry = cached_entry(folder, fp, lead, world, group) if folder and fp else (None, None)
     try:
         st = _from_entry(entry, channels)
         if st is not None:  # every rank holds rank 0's entry: all return here, or none
+            _warn_if_rounded(reader, code, st)
             return st, box
-        # the values a batch holds: with cf (as Config(cf=True), the default) packed values unpacked, fills NaN
-        code = coding(reader, options=storage_options) if cf else None
         st = _compute(reader, box, axis, nonfinite == "skip", group, threads, timeout_s, progress and lead, code)
         if folder is not None and fp is not None:
             if lead:
@@ -318,6 +388,7 @@ def _one_array(uri: str, region: Any, channel_axis: int | None, nonfinite: str, 
                 except OSError as exc:  # read-only data is common: the statistics are still right
                     warnings.warn(f"could not write {sidecar.path_for(folder)}: {exc}", RuntimeWarning, stacklevel=4)
             barrier(group)  # the file is in place (or known unwritable) before anyone goes on
+        _warn_if_rounded(reader, code, st)
         return st, box
     finally:
         if held is not None:
@@ -355,7 +426,8 @@ def compute_array_stats(arrays_or_fields: Any, region: Any = None, *, channel_ax
     ``nonfinite``: NaN and infinities are left out and counted per channel in ``FieldStats.skipped``
     (``"skip"``, the default: arrays often hold NaN for missing values), or a
     :class:`~stoker.errors.NonFiniteData` naming the array and the box (``"raise"``). A region without a finite
-    value is a NonFiniteData either way. Integers are exact in float64 up to 2**53.
+    value is a NonFiniteData either way. Integers are exact in float64 up to 2**53: 64-bit integers at or
+    past it (ids) give a RuntimeWarning, as their float64 min and max are rounded.
 
     ``cf``: the statistics of the values a batch holds with ``Config(cf=True)`` (the default): CF attributes
     (``scale_factor``, ``add_offset``, ``_FillValue``/``missing_value``, as xarray writes a packed variable)
@@ -379,13 +451,18 @@ def compute_array_stats(arrays_or_fields: Any, region: Any = None, *, channel_ax
     """
     if nonfinite not in _NONFINITE:
         raise InvalidArgument(f"nonfinite must be one of {_NONFINITE}, got {nonfinite!r}", knob="nonfinite")
-    if channel_axis is not None and (isinstance(channel_axis, bool) or not isinstance(channel_axis, int)):
+    # numpy integers too (what numpy's lookups return), as region bounds take them; plain ints from here on
+    if channel_axis is not None and (isinstance(channel_axis, bool) or not isinstance(channel_axis, numbers.Integral)):
         raise InvalidArgument(f"channel_axis must be an int or None, got {channel_axis!r}", knob="channel_axis")
+    channel_axis = None if channel_axis is None else int(channel_axis)
     threads = min(8, os.cpu_count() or 1) if threads is None else threads
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+    if isinstance(threads, bool) or not isinstance(threads, numbers.Integral) or threads < 1:
         raise InvalidArgument(f"threads must be an int >= 1, got {threads!r}", knob="threads")
-    if not timeout_s > 0:
-        raise InvalidArgument(f"timeout_s must be > 0, got {timeout_s!r}", knob="timeout_s")
+    threads = int(threads)
+    timeout_s = seconds("compute_stats: timeout_s", timeout_s, knob="timeout_s")
+    if not isinstance(cf, (bool, np.bool_)):  # as Config.cf: a truthy "False" would decode what was asked raw
+        raise InvalidArgument(f"compute_stats: cf must be True (the values a Config(cf=True) batch holds) or False "
+                              f"(the stored values), got {cf!r}", knob="cf")
     kind, entries = parse_entries(arrays_or_fields)
     if channel_axis is not None:
         for e in entries:

@@ -42,6 +42,8 @@ def ordered_map(fn: Callable[[Any], Any], items: Sequence[Any], threads: int, ti
 
     pool = DaemonPool(threads, "stoker-stats", knob="threads", owner="compute_stats")
     window = 2 * threads
+    # inf (no limit) or a huge number: the longest wait the platform takes (centuries), not an OverflowError
+    wait_s = min(timeout_s, threading.TIMEOUT_MAX)
     submitted = 0
     try:
         for i in range(len(items)):
@@ -49,7 +51,7 @@ def ordered_map(fn: Callable[[Any], Any], items: Sequence[Any], threads: int, ti
                 pool.submit(run, submitted)
                 submitted += 1
             with cv:
-                if not cv.wait_for(lambda: i in done, timeout=timeout_s):
+                if not cv.wait_for(lambda: i in done, timeout=wait_s):
                     raise StorageError(f"{what}: reading {items[i]} took more than {timeout_s:g} s (a hung mount or "
                                        "store?); raise timeout_s if the storage is that slow", timeout_s=timeout_s)
                 ok, out = done.pop(i)

@@ -12,6 +12,11 @@ merging partial results in any grouping gives the same answer up to rounding::
 The merge updates the mean by the weighted difference of means and adds the
 cross term ``delta**2 * na * nb / n`` to M2, which stays accurate when the mean
 is large next to the spread (where ``E[x**2] - E[x]**2`` cancels catastrophically).
+The mean travels as two float64 (``mean + mean_lo``, the second its rounding
+error): where the spread is within a few thousand float64 steps of the mean
+(1e12 + noise of 1e-3), a rounded mean is off by a noticeable part of the
+spread, and the differences of many pieces' rounded means made the std a
+percent too large; with the pair each difference is exact to float64.
 
 Non-finite elements (NaN, +-inf) are never folded in, since one would turn every
 statistic into NaN: each channel counts them in ``skipped`` instead, and its
@@ -39,10 +44,14 @@ class Moments:
     min: torch.Tensor
     max: torch.Tensor
     skipped: torch.Tensor | None = None  # None: no element was skipped
+    #: What ``mean`` (rounded to float64) leaves out of the exact mean: the mean is ``mean + mean_lo``.
+    mean_lo: torch.Tensor | None = None  # None: zeros
 
     def __post_init__(self) -> None:
         if self.skipped is None:
             object.__setattr__(self, "skipped", torch.zeros(self.mean.shape, dtype=torch.int64))
+        if self.mean_lo is None:
+            object.__setattr__(self, "mean_lo", torch.zeros(self.mean.shape, dtype=F64))
 
     @staticmethod
     def empty(channels: int | None) -> "Moments":
@@ -67,22 +76,28 @@ class Moments:
         if n == 0:
             return Moments.empty(channels)
         finite = torch.isfinite(x)
+        # Two-pass within the sample: deviations from its own mean, never raw sums of squares; their mean is
+        # what the rounded mean left out (mean_lo), and M2 is taken about the mean with it.
         if bool(finite.all()):
             mean = x.mean(dim=0)
-            # Two-pass within the sample: deviations from its own mean, never raw sums of squares.
-            m2 = ((x - mean) ** 2).sum(dim=0)
+            dev = x - mean
+            rest = dev.mean(dim=0)
+            m2 = ((dev - rest) ** 2).sum(dim=0)
             lo, hi = x.amin(dim=0), x.amax(dim=0)
             skipped = torch.zeros(x.shape[1], dtype=torch.int64)
         else:
             kept = finite.sum(dim=0)
             mean = torch.where(finite, x, 0.0).sum(dim=0) / kept.clamp(min=1)  # 0 for a channel with none
-            m2 = (torch.where(finite, x - mean, 0.0) ** 2).sum(dim=0)
+            dev = torch.where(finite, x - mean, 0.0)
+            rest = dev.sum(dim=0) / kept.clamp(min=1)
+            m2 = (torch.where(finite, dev - rest, 0.0) ** 2).sum(dim=0)
             lo = torch.where(finite, x, torch.inf).amin(dim=0)
             hi = torch.where(finite, x, -torch.inf).amax(dim=0)
             skipped = n - kept
+        mean, mean_lo = two_sum(mean, torch.where(torch.isfinite(rest), rest, 0.0))  # overflow: as before
         if channels is None:
-            mean, m2, lo, hi, skipped = mean[0], m2[0], lo[0], hi[0], skipped[0]
-        return Moments(n, mean, m2, lo, hi, skipped)
+            mean, m2, lo, hi, skipped, mean_lo = mean[0], m2[0], lo[0], hi[0], skipped[0], mean_lo[0]
+        return Moments(n, mean, m2, lo, hi, skipped, mean_lo)
 
     @property
     def channels(self) -> int | None:
@@ -113,21 +128,25 @@ class Moments:
             return other
         na, nb = self.finite, other.finite
         n = (na + nb).clamp(min=1)  # a channel with no finite element on either side keeps mean 0, M2 0
-        delta = other.mean - self.mean
-        mean = self.mean + delta * (nb / n)
+        # Near means subtract exactly (Sterbenz), so with the low parts delta is the exact means' difference.
+        delta = (other.mean - self.mean) + (other.mean_lo - self.mean_lo)
+        mean, mean_lo = two_sum(self.mean, self.mean_lo + delta * (nb / n))
+        # A channel with nothing on this side takes the other's pair whole (not rounded into one float64).
+        mean, mean_lo = torch.where(na == 0, other.mean, mean), torch.where(na == 0, other.mean_lo, mean_lo)
         m2 = self.m2 + other.m2 + delta * delta * (na * nb / n)
         return Moments(self.count + other.count, mean, m2, torch.minimum(self.min, other.min),
-                       torch.maximum(self.max, other.max), self.skipped + other.skipped)
+                       torch.maximum(self.max, other.max), self.skipped + other.skipped, mean_lo)
 
-    # -- a flat float64 layout for collectives: [count, mean, m2, min, max, skipped] ---------------
+    # -- a flat float64 layout for collectives: [count, mean, m2, min, max, skipped, mean_lo] -----
 
     @staticmethod
     def packed_size(channels: int | None) -> int:
-        return 1 + 5 * (1 if channels is None else channels)
+        return 1 + 6 * (1 if channels is None else channels)
 
     def pack(self) -> torch.Tensor:
         parts = [torch.tensor([float(self.count)], dtype=F64)]
-        parts += [t.reshape(-1).to(F64) for t in (self.mean, self.m2, self.min, self.max, self.skipped)]
+        parts += [t.reshape(-1).to(F64) for t in (self.mean, self.m2, self.min, self.max, self.skipped,
+                                                   self.mean_lo)]
         return torch.cat(parts)
 
     @staticmethod
@@ -135,8 +154,17 @@ class Moments:
         c = 1 if channels is None else channels
         flat = flat.to("cpu", F64)
         count = int(flat[0].item())  # exact: counts travel as float64, exact below 2**53
-        parts = [flat[1 + k * c: 1 + (k + 1) * c].clone() for k in range(5)]
+        parts = [flat[1 + k * c: 1 + (k + 1) * c].clone() for k in range(6)]
         parts[4] = parts[4].to(torch.int64)
         if channels is None:
             parts = [p[0] for p in parts]
         return Moments(count, *parts)
+
+
+def two_sum(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(s, e)``: ``s = a + b`` rounded to float64 and ``e`` its exact rounding error (Knuth's TwoSum), 0 where
+    ``s`` is not finite (an overflow has no error term worth keeping)."""
+    s = a + b
+    bb = s - a
+    e = (a - (s - bb)) + (b - bb)
+    return s, torch.where(torch.isfinite(e), e, torch.zeros_like(e))

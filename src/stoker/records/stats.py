@@ -90,7 +90,9 @@ class FieldStats:
 
     @staticmethod
     def from_moments(m: Moments) -> "FieldStats":
-        return FieldStats(torch.tensor(m.count, dtype=torch.int64), m.mean, m.std, m.min, m.max, m.skipped.clone())
+        # the mean rounded once from its pair (Moments.mean_lo: what the float64 mean leaves out)
+        return FieldStats(torch.tensor(m.count, dtype=torch.int64), m.mean + m.mean_lo, m.std, m.min, m.max,
+                          m.skipped.clone())
 
     def to_json(self) -> dict[str, Any]:
         return {"count": int(self.count), **{k: getattr(self, k).tolist() for k in ("mean", "std", "min", "max")},
@@ -383,9 +385,9 @@ def _check_some_finite(merged: Mapping[str, Moments], kind: str) -> None:
         empty = ((m.finite == 0) & (m.skipped > 0)).reshape(-1)
         if bool(empty.any()):
             where = "" if m.channels is None else f" in channel(s) {torch.nonzero(empty).reshape(-1).tolist()}"
-            raise NonFiniteData(f"{kind} {name!r} holds no finite value{where}, only {int(m.skipped.sum())} "
-                                "non-finite ones: there is nothing to compute statistics of", field=name,
-                                count=int(m.skipped.sum()))
+            count = int(m.skipped.reshape(-1)[empty].sum())  # the empty channels' own, not every channel's
+            raise NonFiniteData(f"{kind} {name!r} holds no finite value{where}, only {count} "
+                                "non-finite ones: there is nothing to compute statistics of", field=name, count=count)
 
 
 # -- the entry point ---------------------------------------------------------------------------
