@@ -206,6 +206,24 @@ def test_nonfinite_raise_names_the_array_and_box(arrays, tmp_path):
     assert info.value.count == 10
 
 
+def test_a_statistics_file_of_the_version_before_is_not_used(tmp_path):
+    """Version 2 of the statistics files came with exact merges of the means (Moments.mean_lo): a version 1
+    file, whose stds could be a percent off, is computed again, not read."""
+    data = np.random.default_rng(4).normal(0, 1, size=(8, 16, 16))
+    uri = write(tmp_path / "v.zarr", data, (4, 8, 8))
+    fresh = stoker.compute_stats(uri)
+    path = sidecar.path_for(uri)
+    doc = json.loads(open(path).read())
+    assert doc["version"] == sidecar.VERSION == 2
+    doc["version"] = 1  # as the code before wrote it, with a std that is not this array's
+    for entry in doc["entries"].values():
+        entry["stats"]["array"]["std"] = 7.0
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    again = stoker.compute_stats(uri)
+    assert torch.equal(again.std, fresh.std) and not torch.equal(again.std, torch.full_like(fresh.std, 7.0))
+
+
 def test_cache_hit_reads_no_chunk_and_a_write_invalidates(tmp_path):
     rng = np.random.default_rng(3)
     data = rng.normal(0, 1, size=(16, 40, 40)).astype(np.float32)

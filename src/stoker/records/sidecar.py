@@ -32,7 +32,7 @@ from ..storage import read_regular
 
 FILENAME = ".stoker-stats.json"
 FORMAT = "stoker-record-stats"
-VERSION = 1
+VERSION = 2  # 2: means merged exactly (Moments.mean_lo); version 1 stds could be a percent off
 MAX_ENTRIES = 16  # older fingerprints are dropped first; each entry is a few numbers per channel
 
 
