@@ -91,7 +91,7 @@ def test_inspect_shows_dimensions_coordinates_and_cf(tmp_path, capsys):
     assert "dimensions   time, lat" in out
     assert "time       2000-03-01T06:00 .. 2000-03-02T06:00 (5 labels, datetime64[ns])" in out
     assert "lat        10.0 .. -10.0 (3 labels, float64)" in out
-    assert "cf decoding  scale_factor=0.5, add_offset=2.0, missing values [-1.0] -> NaN" in out
+    assert "cf decoding  scale_factor=0.5, add_offset=2.0, missing values [-1] -> NaN" in out
     assert main(["inspect", str(tmp_path / "d.zarr" / "p"), "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert got["dimensions"] == ["time", "lat"]

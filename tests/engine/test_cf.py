@@ -290,3 +290,29 @@ def test_scaled_float_variables_are_decoded_in_their_own_dtype(tmp_path, decode_
         with stoker.Pipeline(_cfg(batch_size=1, dtype=out)) as pipe:
             pipe.push([stoker.Sample(os.path.join(path, "v"), box)])
             _assert_same(torch.from_dlpack(pipe.pop())[0], ref[1:7, 2:10])
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+@pytest.mark.parametrize("dtype,fill", [("uint64", 2**64 - 1), ("int64", 2**63 - 1), ("int64", -2**63)])
+def test_a_fill_at_a_64_bit_integer_extreme_is_masked_as_xarray_masks_it(tmp_path, decode_path, zarr_format, dtype,
+                                                                         fill):
+    """A 64-bit _FillValue at its dtype's extreme (2**64 - 1, the usual "no id" of uint64 label arrays) is no
+    float64: kept as a float it read as 2**64, past the dtype, and was never masked (1.8e19 in the batch where
+    xarray has NaN), and the numpy decoding cast it back to 0 (masking the ids 0)."""
+    from stoker.reader.array import open_array
+    from stoker.reader.coords import coding
+
+    ids = np.array([[0, 1, fill, 7], [fill, 3, 0, 2]] * 2, dtype=dtype)
+    ds = xr.Dataset({"ids": (("y", "x"), ids)})
+    ds["ids"].encoding["_FillValue"] = np.dtype(dtype).type(fill)
+    path = str(tmp_path / "d.zarr")
+    ds.to_zarr(path, zarr_format=zarr_format, consolidated=False)
+    want = xr.open_zarr(path, consolidated=False)["ids"].values  # float64, NaN at the fills
+    assert np.isnan(want).sum() == 4 and not np.isnan(want[0, 0])
+    with stoker.Pipeline(_cfg(batch_size=1, lossy_casts=True)) as pipe:
+        pipe.push(stoker.Sample(os.path.join(path, "ids"), [(0, 4), (0, 4)]))
+        with pipe.pop() as b:
+            got = torch.from_dlpack(b).numpy()[0]
+    np.testing.assert_array_equal(got, want.astype(np.float32))
+    code = coding(open_array(os.path.join(path, "ids")))
+    np.testing.assert_array_equal(code.decode(ids, np.float64), want)

@@ -356,19 +356,21 @@ def test_nan_in_a_float_mask_is_no_foreground(volume, tmp_path):
 
 
 @pytest.mark.parametrize("zarr_format", [2, 3])
-def test_a_masks_cf_missing_value_is_no_foreground(volume, tmp_path, zarr_format):
+@pytest.mark.parametrize("dtype,fill", [("u1", 255), ("u8", 2**64 - 1)])
+def test_a_masks_cf_missing_value_is_no_foreground(volume, tmp_path, zarr_format, dtype, fill):
     """An integer mask written by xarray with ``_FillValue=255`` (its "no data") counted 255 as foreground; a
     stored value its CF attributes name missing counts as zero, as xarray reads it (NaN): such a mask
-    qualifies exactly the anchors of the 0/1 one where it holds 255 for 0."""
+    qualifies exactly the anchors of the 0/1 one where it holds 255 for 0. Also uint64's 2**64 - 1, which
+    a float64 fill (2**64) cast back to uint64 made 0."""
     xr = pytest.importorskip("xarray")
-    data = volume["mask_data"].astype("u1")
+    data = volume["mask_data"].astype(dtype)
     assert set(np.unique(data)) == {0, 1}
-    stored = np.where(data == 0, np.uint8(255), data)
+    stored = np.where(data == 0, np.dtype(dtype).type(fill), data)
     stored[0:12] = data[0:12]  # some zeros too
     uri = str(tmp_path / "m.zarr")
-    xr.Dataset({"m": (("z", "y", "x"), stored)}).to_zarr(uri, encoding={"m": {"_FillValue": 255}},
+    xr.Dataset({"m": (("z", "y", "x"), stored)}).to_zarr(uri, encoding={"m": {"_FillValue": np.dtype(dtype).type(fill)}},
                                                          zarr_format=zarr_format, consolidated=False)
-    assert np.isnan(xr.open_zarr(uri, consolidated=False)["m"].values[stored == 255]).all()  # xarray: missing
+    assert np.isnan(xr.open_zarr(uri, consolidated=False)["m"].values[stored == fill]).all()  # xarray: missing
     src = stoker.RandomCrops(_fields(volume), seed=0, samples_per_epoch=500,
                              mask=stoker.Mask(uri + "/m", min_fraction=0.25, field="labels", scale=4))
     plain = stoker.RandomCrops(_fields(volume), seed=0, samples_per_epoch=500,

@@ -167,9 +167,13 @@ def _missing_values(reader: "ArrayReader") -> np.ndarray | None:
         return _unsigned_missing(reader)  # but its fills still mark values missing
     if code is None or not code.fills:
         return None
+    if reader.dtype.kind in "iu":  # ints it holds (coding_of keeps no other): exact, 2**64 - 1 too
+        info = np.iinfo(reader.dtype)
+        ints = [int(f) for f in code.fills if f == f and abs(f) != float("inf") and info.min <= f <= info.max]
+        return np.array(ints, dtype=reader.dtype) if ints else None
     with np.errstate(invalid="ignore", over="ignore"):
         fills = np.asarray(code.fills, dtype=np.float64)
-        kept = fills[np.isfinite(fills)] if reader.dtype.kind in "iub" else fills
+        kept = fills[np.isfinite(fills)] if reader.dtype.kind == "b" else fills
         return kept.astype(reader.dtype) if kept.size else None  # compared as the CF decode compares them
 
 
@@ -186,7 +190,7 @@ def _unsigned_missing(reader: "ArrayReader") -> np.ndarray | None:
     fills = code.fills if code is not None else ()
     for f in fills:  # a fractional one refused, as the CF decode refuses it for an integer array
         check_integer_fill(f, reader.dtype, reader.uri)
-    kept = [int(f) % (1 << bits) for f in fills if f.is_integer() and -(1 << (bits - 1)) <= f < (1 << bits)]
+    kept = [int(f) % (1 << bits) for f in fills if float(f).is_integer() and -(1 << (bits - 1)) <= f < (1 << bits)]
     return np.array(kept, dtype=np.uint64).astype(reader.dtype) if kept else None  # wraps: the same bits
 
 

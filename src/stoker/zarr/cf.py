@@ -48,7 +48,8 @@ _GREGORIAN_START = (1582, 10, 15)  # the mixed calendars are Julian before it (n
 @dataclass(frozen=True)
 class CFCoding:
     """What decoding does to an array's values: values equal to one of ``fills`` (compared in the values'
-    dtype, as numpy compares them with a Python float) become NaN, the rest are multiplied by ``scale`` and
+    dtype, as numpy compares them with a Python number; an integer array's fills are ints, exact past 2**53,
+    as xarray keeps a ``_FillValue`` of 2**64 - 1) become NaN, the rest are multiplied by ``scale`` and
     shifted by ``offset`` (``None``: not given) in ``arithmetic``, as xarray does with the attributes of a
     Zarr array, then rounded to the output dtype. ``arithmetic`` is float64 (JSON numbers are float64, and
     xarray decodes packed values in their type) but for a float variable whose fill attributes are all NaN:
@@ -57,7 +58,7 @@ class CFCoding:
 
     scale: float | None
     offset: float | None
-    fills: tuple[float, ...]
+    fills: tuple[float | int, ...]
     arithmetic: str = "float64"
 
     def decode(self, values: np.ndarray, dtype: Any = np.float32) -> np.ndarray:
@@ -70,8 +71,11 @@ class CFCoding:
         if self.offset is not None:
             out += work.type(self.offset)
         if self.fills:
+            # in the values' own dtype: an integer array's fills are ints it holds (coding_of), exact past 2**53,
+            # where a float64 of 2**64 - 1 cast back is no uint64
+            fills = np.asarray(self.fills, dtype=values.dtype if values.dtype.kind in "iu" else np.float64)
             with np.errstate(invalid="ignore", over="ignore"):
-                out[np.isin(values, np.asarray(self.fills, dtype=np.float64).astype(values.dtype))] = np.nan
+                out[np.isin(values, fills.astype(values.dtype))] = np.nan
         return out.astype(dtype)
 
     def describe(self) -> str:
@@ -90,9 +94,10 @@ def _number(value: Any, name: str, uri: str) -> float:
     return float(value)
 
 
-def _fill_attribute(value: Any, dtype: np.dtype, uri: str, name: str) -> list[float]:
+def _fill_attribute(value: Any, dtype: np.dtype, uri: str, name: str) -> list[float | int]:
     """A ``_FillValue`` or ``missing_value`` attribute as numbers (xarray's FillValueCoder for floats in v3:
-    base64 of a little-endian float64; NaN spelled as a string)."""
+    base64 of a little-endian float64; NaN spelled as a string); a JSON integer for an integer array as an int
+    (exact: 2**64 - 1, uint64's "no id", is no float64)."""
     items = value if isinstance(value, list) else [value]
     out = []
     for item in items:
@@ -106,6 +111,8 @@ def _fill_attribute(value: Any, dtype: np.dtype, uri: str, name: str) -> list[fl
             except (ValueError, struct.error, IndexError):
                 raise MetadataError(f"{uri}: attribute {name} {show(item)} is neither a number nor base64 of a "
                                     "float", uri=uri, attribute=name) from None
+        elif dtype.kind in "iu" and isinstance(item, int) and not isinstance(item, bool):
+            out.append(item)
         else:
             out.append(_number(item, name, uri))
     return out
@@ -126,9 +133,10 @@ def coding_of(attrs: dict, dtype: np.dtype, zarr_format: int, zarr_fill: Any = N
             "(and reinterpret them), or store the array in its real dtype", uri=uri)
     scale = _number(attrs["scale_factor"], "scale_factor", uri) if attrs.get("scale_factor") is not None else None
     offset = _number(attrs["add_offset"], "add_offset", uri) if attrs.get("add_offset") is not None else None
-    fills: list[float] = []
+    fills: list[float | int] = []
     if zarr_format == 2 and "_ARRAY_DIMENSIONS" in attrs and zarr_fill is not None:
-        fills.append(float(parse_fill_value(zarr_fill, dtype, uri, 2)[()].real))
+        stored = parse_fill_value(zarr_fill, dtype, uri, 2)[()]
+        fills.append(int(stored) if np.dtype(dtype).kind in "iu" else float(stored.real))
     elif attrs.get("_FillValue") is not None:
         fills += _fill_attribute(attrs["_FillValue"], dtype, uri, "_FillValue")
     if attrs.get("missing_value") is not None:
@@ -142,16 +150,16 @@ def coding_of(attrs: dict, dtype: np.dtype, zarr_format: int, zarr_fill: Any = N
     return CFCoding(scale, offset, masked, np.dtype(dtype).name if own else "float64")
 
 
-def check_integer_fill(fill: float, dtype: np.dtype, uri: str) -> None:
+def check_integer_fill(fill: float | int, dtype: np.dtype, uri: str) -> None:
     """MetadataError for a ``fill`` of an array of integer ``dtype`` that is not an integer (see
     :func:`_can_equal`; :func:`coding_of` leaves NaN fills out before)."""
-    if not fill.is_integer():
+    if not isinstance(fill, int) and not fill.is_integer():
         raise MetadataError(f"{uri}: its fill value {fill!r} (_FillValue or missing_value) is not an integer, "
                             f"but the array holds {dtype}; store the integer that marks missing values",
                             uri=uri, attribute="_FillValue")
 
 
-def _can_equal(fill: float, dtype: np.dtype, uri: str) -> bool:
+def _can_equal(fill: float | int, dtype: np.dtype, uri: str) -> bool:
     """Whether a stored value of ``dtype`` can equal ``fill`` (a float64) as xarray compares them (in float64):
     a float32 array's ``_FillValue: 0.1`` never does (its values near it are 0.10000000149...), nor a uint8's
     -1; compared in float32 instead, 0.1 would mask them. A fractional fill of an integer array is refused:
