@@ -166,3 +166,20 @@ def test_coding_of_attribute_forms():
     assert cf.coding_of({"_ARRAY_DIMENSIONS": ["x"]}, i2, 2, zarr_fill=None) is None
     with pytest.raises(MetadataError, match="attribute scale_factor 'big' is not a number"):
         cf.coding_of({"scale_factor": "big"}, i2, 3, uri="/d/v")
+
+
+def test_a_string_coordinate_is_none_among_all_and_an_error_on_its_own(tmp_path):
+    """stoker reads no strings: among all coordinates a string one is None (the others as xarray reads them),
+    asked for alone it says why (UnsupportedFormat)."""
+    path = str(tmp_path / "st.zarr")
+    t = pd.date_range("2000-01-01", periods=4, freq="D")
+    xr.Dataset({"v": (("time", "station"), np.zeros((4, 2), "f4"))},
+               coords={"time": t, "station": ["a", "b"]}).to_zarr(path, zarr_format=3, consolidated=False)
+    arr = stoker.open_array(os.path.join(path, "v"))
+    got = coords.coordinates(arr)
+    assert set(got) == {"time", "station"} and got["station"] is None
+    np.testing.assert_array_equal(got["time"], xr.open_zarr(path).time.values)
+    np.testing.assert_array_equal(coords.coordinate(arr, "time"), got["time"])
+    with pytest.raises(UnsupportedFormat, match="station"):
+        coords.coordinate(arr, "station")
+    assert coords.coordinate(arr, "depth") is None  # no such dimension
