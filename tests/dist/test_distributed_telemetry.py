@@ -447,3 +447,45 @@ def test_writer_tensorboard_required_but_missing(monkeypatch, tmp_path):
     with TelemetryWriter(tmp_path / "auto") as tw:  # auto: JSON lines only
         tw.log(0, {"a": 1.0})
     assert os.listdir(tmp_path / "auto") == ["telemetry.jsonl"]
+
+
+def _mismatch_worker(rank: int, world: int, tmp: str) -> None:
+    """Ranks calling reduce_max (and a TelemetryWriter) with different metric names: each case's outcome."""
+    with gloo_group(rank, world, tmp, timeout_s=20):
+        out = {}
+        cases = {
+            "renamed": {"a": 1.0} if rank == 0 else {"b": 5.0},  # same count: the values would pair up wrong
+            "extra": {"a": 1.0} if rank == 0 else {"a": 2.0, "b": 5.0},  # another count: would hang
+            "none": {} if rank == 0 else {"a": 2.0},  # rank 0 would skip the collective the other waits in
+        }
+        for name, metrics in cases.items():
+            try:
+                out[name] = ["ok", reduce_max(metrics)]
+            except InvalidArgument as exc:
+                out[name] = ["InvalidArgument", str(exc)]
+            except Exception as exc:  # noqa: BLE001 - recorded: the test says what it should have been
+                out[name] = [type(exc).__name__, str(exc)[:200]]
+        out["after"] = reduce_max({"x": float(rank)})  # the group still works
+        with TelemetryWriter(Path(tmp) / "tel", tensorboard=False) as tw:
+            try:
+                tw.log(0, {"loss": 1.0} if rank == 0 else {"lr": 0.1})
+                out["writer"] = "ok"
+            except InvalidArgument as exc:
+                out["writer"] = str(exc)
+        write_result(tmp, rank, out)
+
+
+@pytest.mark.timeout(180)
+def test_reduce_max_refuses_metric_names_that_differ_between_ranks(tmp_path):
+    """Different names on the ranks are an InvalidArgument on every rank, never rank 0's "a" taking rank 1's
+    "b" (silently wrong) nor a collective of another length (a hang until the group's timeout)."""
+    results = spawn_ranks(_mismatch_worker, 2, tmp_path)
+    for rank, res in enumerate(results):
+        for name in ("renamed", "extra", "none"):
+            kind, message = res[name]
+            assert kind == "InvalidArgument", (rank, name, res[name])
+            assert "metric names" in message and "rank" in message
+        assert res["after"] == {"x": 1.0}
+        assert "metric names" in res["writer"]
+    assert not (tmp_path / "tel" / "telemetry.jsonl").exists() or \
+        (tmp_path / "tel" / "telemetry.jsonl").read_text() == ""

@@ -1,4 +1,4 @@
-"""Per-key maxima of metrics over ranks, in one collective.
+"""Per-key maxima of metrics over ranks, in one collective (after one that checks every rank names the same).
 
 Call :func:`reduce_max` on every rank of the group, with the same keys, then let rank 0 alone write the
 result::
@@ -14,6 +14,7 @@ A pipeline's :class:`~stoker.Stats` are reduced by :func:`stoker.engine.reduce.r
 
 from __future__ import annotations
 
+import hashlib
 import math
 import numbers
 from typing import Any, Mapping
@@ -23,7 +24,7 @@ import torch
 from ..errors import InvalidArgument
 from .collectives import active_group, all_reduce
 
-__all__ = ["check_number", "reduce_max"]
+__all__ = ["check_number", "check_same_names", "reduce_max"]
 
 # float64 holds every integer up to 2**53 exactly; past that a round trip would silently change ints.
 _MAX_EXACT_INT = 2**53
@@ -44,12 +45,38 @@ def check_number(key: str, value: Any, what: str) -> None:
         raise InvalidArgument(f"{what} {key!r} must be a real number, got {type(value).__name__}{hint}", key=key)
 
 
+def _digest(names: list[str]) -> float:
+    """A 48-bit digest of ``names`` (in their order), exact as a float64."""
+    raw = hashlib.blake2b("\0".join(names).encode(), digest_size=6).digest()
+    return float(int.from_bytes(raw, "big"))
+
+
+def check_same_names(names: list[str], group: Any) -> None:
+    """InvalidArgument on every rank unless every rank of ``group`` passed the same ``names`` (sorted): one
+    small ``all_reduce(MAX)`` of their count and digest, and of their negations (a minimum is -MAX(-x)).
+
+    A reduction packs values by name; ranks with other names would pair one rank's ``"loss"`` with another's
+    ``"lr"`` (silently wrong), or run collectives of other lengths (a hang until the group's timeout).
+    Collective: every rank calls it, and every rank raises alike, so none is left waiting."""
+    n, digest = float(len(names)), _digest(names)
+    top_n, low_n, top_d, low_d = all_reduce([n, -n, digest, -digest], "MAX", group)
+    if top_n != -low_n or top_d != -low_d:
+        shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+        counts = f"{int(-low_n)} to {int(top_n)} names" if top_n != -low_n else \
+            f"{len(names)} names each, not the same"
+        raise InvalidArgument(
+            f"the ranks reduce different metric names ({counts}; this rank: {shown or 'none'}); every rank must "
+            "pass the same metric names at every reduction (log a metric a rank has not measured yet as 0)",
+            names=tuple(names))
+
+
 def reduce_max(metrics: Mapping[str, Any], group: Any = None) -> dict[str, Any]:
-    """Per-key maximum of ``metrics`` over the ranks of ``group``, in one ``all_reduce(MAX)``.
+    """Per-key maximum of ``metrics`` over the ranks of ``group``, in one ``all_reduce(MAX)`` (after
+    :func:`check_same_names`).
 
     Collective: call it on every rank of the group, with the same keys on every rank
-    (not checked: different keys pair up wrong values or hang), then gate writing on
-    rank 0. Returns a new dict; the input is not changed. Types follow the local
+    (checked first, in one small collective: different keys are an InvalidArgument on
+    every rank), then gate writing on rank 0. Returns a new dict; the input is not changed. Types follow the local
     value: ``int`` stays ``int`` (unless the max is another rank's fractional float: that
     float, never truncated), ``bool`` stays ``bool`` (max over ranks is "any rank
     True"), every other real number becomes ``float``. NaN handling is the backend's.
@@ -66,6 +93,7 @@ def reduce_max(metrics: Mapping[str, Any], group: Any = None) -> dict[str, Any]:
         return dict(metrics)
     # Sorted keys: every rank packs the same order whatever order its dict was built in.
     keys = sorted(metrics)
+    check_same_names(keys, group)
     reduced = dict(zip(keys, all_reduce([float(metrics[k]) for k in keys], "MAX", group)))
     out: dict[str, Any] = {}
     for key, local in metrics.items():  # the caller's order, as in the no-op path
