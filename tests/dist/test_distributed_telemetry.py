@@ -15,6 +15,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -489,3 +490,33 @@ def test_reduce_max_refuses_metric_names_that_differ_between_ranks(tmp_path):
         assert "metric names" in res["writer"]
     assert not (tmp_path / "tel" / "telemetry.jsonl").exists() or \
         (tmp_path / "tel" / "telemetry.jsonl").read_text() == ""
+
+
+def _nan_worker(rank: int, world: int, tmp: str) -> None:
+    with gloo_group(rank, world, tmp, timeout_s=20):
+        nan = float("nan")
+        metrics = {"on_first": nan if rank == 0 else 1.0, "on_last": nan if rank == world - 1 else 1.0,
+                   "over_inf": nan if rank == world - 1 else math.inf, "none": float(rank), "count": rank}
+        reduced = reduce_max(metrics)
+        with TelemetryWriter(Path(tmp) / "tel", tensorboard=False) as tw:
+            logged = tw.log(0, metrics)
+        write_result(tmp, rank, {"reduced": typed(reduced), "logged": typed(logged)})
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world", [2, 3])
+def test_reduce_max_a_nan_on_any_rank_is_nan(tmp_path, world):
+    """A metric that is NaN on one rank (a diverged loss) is NaN in the maximum whichever rank it is on, as
+    torch.max and numpy.max have it; gloo's MAX kept it only where it came first in the reduction (rank 1's
+    NaN against rank 0's 1.0 gave 1.0)."""
+    results = spawn_ranks(_nan_worker, world, tmp_path)
+    want = np.max([[np.nan if r == 0 else 1.0, np.nan if r == world - 1 else 1.0,
+                    np.nan if r == world - 1 else np.inf] for r in range(world)], axis=0)
+    assert np.isnan(want).all()  # numpy's max: NaN wherever a rank has it
+    for res in results:
+        for name in ("on_first", "on_last", "over_inf"):
+            for got in (res["reduced"], res["logged"]):
+                assert got[name][0] == "float" and math.isnan(got[name][1]), (name, got)
+        assert res["reduced"]["none"] == ["float", world - 1.0] and res["reduced"]["count"] == ["int", world - 1]
+    line = json.loads((tmp_path / "tel" / "telemetry.jsonl").read_text())
+    assert line["on_first"] is None and line["on_last"] is None and line["over_inf"] is None  # JSON null

@@ -76,12 +76,13 @@ def reduce_max(metrics: Mapping[str, Any], group: Any = None) -> dict[str, Any]:
 
     Collective: call it on every rank of the group, with the same keys on every rank
     (checked first, in one small collective: different keys are an InvalidArgument on
-    every rank), then gate writing on rank 0. Returns a new dict; the input is not changed. Types follow the local
-    value: ``int`` stays ``int`` (unless the max is another rank's fractional float: that
-    float, never truncated), ``bool`` stays ``bool`` (max over ranks is "any rank
-    True"), every other real number becomes ``float``. NaN handling is the backend's.
-    With an empty dict, no initialised group, or a group of one, no collective runs
-    and the values come back as they are.
+    every rank, an empty dict included), then gate writing on rank 0. Returns a new
+    dict; the input is not changed. Types follow the local value: ``int`` stays ``int``
+    (unless the max is another rank's fractional float: that float, never truncated),
+    ``bool`` stays ``bool`` (max over ranks is "any rank True"), every other real number
+    becomes ``float``. A NaN on any rank is NaN, whichever rank it is on (as ``torch.max``
+    has it). With no initialised group, or a group of one, no collective runs and the
+    values come back as they are.
     """
     if not isinstance(metrics, Mapping):
         raise InvalidArgument(f"metrics must be a dict of name -> number, got {type(metrics).__name__}")
@@ -94,7 +95,11 @@ def reduce_max(metrics: Mapping[str, Any], group: Any = None) -> dict[str, Any]:
     # Sorted keys: every rank packs the same order whatever order its dict was built in.
     keys = sorted(metrics)
     check_same_names(keys, group)
-    reduced = dict(zip(keys, all_reduce([float(metrics[k]) for k in keys], "MAX", group)))
+    values = [float(metrics[k]) for k in keys]
+    # Each value's "is NaN" rides in the same MAX: the backend's MAX keeps a NaN only where it happens to come
+    # first (gloo: rank 1's NaN against rank 0's 1.0 is 1.0), where a NaN on any rank must win, as in torch.max.
+    got = all_reduce(values + [1.0 if math.isnan(v) else 0.0 for v in values], "MAX", group)
+    reduced = {k: math.nan if flag else v for k, v, flag in zip(keys, got, got[len(keys):])}
     out: dict[str, Any] = {}
     for key, local in metrics.items():  # the caller's order, as in the no-op path
         value = reduced[key]
