@@ -458,6 +458,7 @@ def _mismatch_worker(rank: int, world: int, tmp: str) -> None:
             "renamed": {"a": 1.0} if rank == 0 else {"b": 5.0},  # same count: the values would pair up wrong
             "extra": {"a": 1.0} if rank == 0 else {"a": 2.0, "b": 5.0},  # another count: would hang
             "none": {} if rank == 0 else {"a": 2.0},  # rank 0 would skip the collective the other waits in
+            "joined": {"a\0b": 1.0, "c": 2.0} if rank == 0 else {"a": 1.0, "b\0c": 2.0},  # alike, joined by NUL
         }
         for name, metrics in cases.items():
             try:
@@ -482,7 +483,7 @@ def test_reduce_max_refuses_metric_names_that_differ_between_ranks(tmp_path):
     "b" (silently wrong) nor a collective of another length (a hang until the group's timeout)."""
     results = spawn_ranks(_mismatch_worker, 2, tmp_path)
     for rank, res in enumerate(results):
-        for name in ("renamed", "extra", "none"):
+        for name in ("renamed", "extra", "none", "joined"):
             kind, message = res[name]
             assert kind == "InvalidArgument", (rank, name, res[name])
             assert "metric names" in message and "rank" in message

@@ -15,6 +15,7 @@ A pipeline's :class:`~stoker.Stats` are reduced by :func:`stoker.engine.reduce.r
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import numbers
 from typing import Any, Mapping
@@ -46,8 +47,9 @@ def check_number(key: str, value: Any, what: str) -> None:
 
 
 def _digest(names: list[str]) -> float:
-    """A 48-bit digest of ``names`` (in their order), exact as a float64."""
-    raw = hashlib.blake2b("\0".join(names).encode(), digest_size=6).digest()
+    """A 48-bit digest of ``names`` (in their order), exact as a float64; of their JSON, which no two lists of
+    names share (names joined by a separator would: ``["a\\0b", "c"]`` and ``["a", "b\\0c"]``)."""
+    raw = hashlib.blake2b(json.dumps(names).encode(), digest_size=6).digest()
     return float(int.from_bytes(raw, "big"))
 
 
