@@ -181,3 +181,24 @@ def test_a_string_coordinate_beside_does_not_block_a_region_on_time(tmp_path, fm
     with pytest.raises(stoker.errors.UnsupportedFormat, match="station"):
         stoker.RandomCrops([os.path.join(path, "v")], (1, 1), seed=0, samples_per_epoch=10,
                            region={"station": ("mid", "south")})
+
+
+@pytest.mark.parametrize("fmt", [2, 3])
+def test_a_lead_time_region_is_xarray_sel_on_timedeltas(tmp_path, fmt):
+    """A forecast's lead times (ECMWF's ``step``) are timedeltas that xarray writes as hours with a
+    ``dtype: timedelta64`` attribute and decodes back; a region of timedelta labels is xarray's .sel on them,
+    whatever their unit (720 minutes is 12 hours, never 720 of the stored hours)."""
+    path = str(tmp_path / f"fc{fmt}.zarr")
+    step = pd.to_timedelta(np.arange(0, 96, 6), unit="h")
+    ds = xr.Dataset({"v": (("step", "x"), np.zeros((len(step), 2), "float32"))}, coords={"step": step})
+    ds.to_zarr(path, zarr_format=fmt, consolidated=False)
+    ref = xr.open_zarr(path, consolidated=False)
+    assert ref.step.dtype.kind == "m"
+    for first, last in [(np.timedelta64(720, "m"), np.timedelta64(1, "D")),
+                        (pd.Timedelta("6h"), pd.Timedelta("2D")), (np.timedelta64(0, "s"), np.timedelta64(5, "h"))]:
+        src = stoker.RandomCrops([os.path.join(path, "v")], (1, 2), seed=0, samples_per_epoch=800,
+                                 region={"step": (first, last)})
+        picked = ref.step.sel(step=slice(first, last)).values
+        assert starts(src, 0) == {int(i) for i in np.flatnonzero(np.isin(ref.step.values, picked))}, (first, last)
+    with pytest.raises(InvalidArgument, match="time span"):  # plain numbers are no lead times
+        stoker.RandomCrops([os.path.join(path, "v")], (1, 2), seed=0, samples_per_epoch=10, region={"step": (6, 24)})

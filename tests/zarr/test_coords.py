@@ -183,3 +183,23 @@ def test_a_string_coordinate_is_none_among_all_and_an_error_on_its_own(tmp_path)
     with pytest.raises(UnsupportedFormat, match="station"):
         coords.coordinate(arr, "station")
     assert coords.coordinate(arr, "depth") is None  # no such dimension
+
+
+@pytest.mark.parametrize("fmt", [2, 3])
+def test_time_span_coordinates_decode_as_xarray_decodes_them(tmp_path, fmt):
+    """Lead times (xarray writes hours with a ``dtype: timedelta64`` attribute) are timedeltas, as xarray reads
+    them, a missing one NaT; hours without that attribute stay numbers, as in xarray."""
+    path = str(tmp_path / f"fc{fmt}.zarr")
+    step = pd.to_timedelta([0, 1.5, np.nan, 90], unit="h")
+    xr.Dataset({"v": (("step",), np.arange(4.0))}, coords={"step": step}).to_zarr(path, zarr_format=fmt,
+                                                                                 consolidated=False)
+    ref = xr.open_zarr(path, consolidated=False).step.values
+    got = coords.coordinates(stoker.open_array(os.path.join(path, "v")))["step"]
+    assert got.dtype == ref.dtype and got.dtype.kind == "m"
+    np.testing.assert_array_equal(got, ref)  # NaT where xarray has NaT
+    z = zarr.open_array(os.path.join(path, "step"), mode="r+")
+    z.attrs.update({"dtype": None})  # units "hours" alone: xarray leaves the numbers as they are
+    del z.attrs["dtype"]
+    want = xr.open_zarr(path, consolidated=False).step.values
+    assert want.dtype.kind != "m"
+    np.testing.assert_array_equal(coords.coordinates(stoker.open_array(os.path.join(path, "v")))["step"], want)

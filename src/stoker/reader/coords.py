@@ -4,7 +4,7 @@ Dimension names are Zarr v3's ``dimension_names`` or, in v2, xarray's ``_ARRAY_D
 dimension's coordinates are the xarray layout's: the 1-d array named like the dimension in the array's
 parent group, as long as the dimension. They are read with :func:`~stoker.reader.array.open_array` (local
 paths, object stores, zip archives alike) and decoded as xarray decodes them (CF times to ``datetime64``,
-packed or filled values to floats; :mod:`stoker.zarr.cf`). Everything is read once per reader and kept
+time spans to ``timedelta64``, packed or filled values to floats; :mod:`stoker.zarr.cf`). Everything is read once per reader and kept
 with it (a pipeline opens each array once).
 
 >>> arr = stoker.open_array("/data/era5.zarr/t2m")
@@ -26,7 +26,7 @@ import numpy as np
 
 from ..errors import InvalidArgument, MetadataError, NotFound, UnsupportedFormat
 from ..storage.locate import Stores, locate
-from ..zarr.cf import CFCoding, coding_of, decode_times, is_time_units
+from ..zarr.cf import CFCoding, coding_of, decode_timedeltas, decode_times, is_time_units, timedelta_dtype
 from ..zarr.fields import show
 from ..zarr.metadata import parse_json
 from .array import MAX_METADATA_BYTES, ArrayReader, open_array
@@ -144,10 +144,16 @@ def sibling_uri(uri: str, name: str) -> str:
 
 def decoded(reader: ArrayReader, values: np.ndarray, stores: Stores | None = None,
             options: dict | None = None) -> np.ndarray:
-    """``values`` read from ``reader`` decoded as xarray decodes a variable: CF times to dates (masked
-    values: NaT), else packed or filled values to floats; values without a coding as they are."""
+    """``values`` read from ``reader`` decoded as xarray decodes a variable: CF times to dates and time spans
+    (xarray's ``dtype: timedelta64`` beside a time unit) to timedeltas (masked values: NaT), else packed or
+    filled values to floats; values without a coding as they are."""
     attrs = attributes(reader, stores, options)
     code = coding(reader, stores, options)
+    spans = timedelta_dtype(attrs)
+    if spans is not None:  # time spans (lead times), as xarray wrote them: hours beside dtype: timedelta64[..]
+        if code is not None:
+            values = code.decode(values, np.float64)
+        return decode_timedeltas(values, attrs["units"], spans, reader.uri)
     if is_time_units(attrs.get("units")):
         if code is not None:  # masked or packed times: floats first, NaN the fills
             values = code.decode(values, np.float64)

@@ -10,7 +10,8 @@ chosen). On top of that every box still lies inside its array.
   coordinate array (:func:`~stoker.reader.coords.coordinate`), both included, as xarray's
   ``.sel(dim=slice(first, last))``: on ascending or descending coordinates (descending: ``first`` is the
   larger label, as in xarray); a date string on a time coordinate covers its whole period
-  (``"2000-05-31"``: that day; ``"2000-05"``: that month), as pandas' partial dates do.
+  (``"2000-05-31"``: that day; ``"2000-05"``: that month), as pandas' partial dates do; a coordinate of time
+  spans (a forecast's lead times) takes ``numpy.timedelta64`` or ``datetime.timedelta`` labels, in any unit.
 
 >>> lo, count = anchor_ranges(["/data/era5.zarr/t2m"], [(1464, 181, 360)], (2, 181, 360),
 ...                           {"time": ("2000-03-01", "2000-05-31")})
@@ -46,8 +47,14 @@ def _as_label(value: Any, coord: np.ndarray, what: str, uri: str, upper: bool) -
             return np.datetime64(value.to_datetime64() if hasattr(value, "to_datetime64") else value), False
         raise InvalidArgument(f"{uri}: region {what} label {value!r} is not a date; the coordinate holds dates",
                               uri=uri)
+    if coord.dtype.kind == "m":
+        if isinstance(value, (np.timedelta64, datetime.timedelta)):  # pandas' Timedelta is a datetime.timedelta
+            return np.timedelta64(value.to_timedelta64() if hasattr(value, "to_timedelta64") else value), False
+        raise InvalidArgument(f"{uri}: region {what} label {value!r} is not a time span (numpy.timedelta64 or "
+                              "datetime.timedelta); the coordinate holds time spans", uri=uri)
     if coord.dtype.kind in "iuf":
-        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        # numpy's timedelta64 is an integer type: its count, in whatever unit, is no label of numbers
+        if isinstance(value, (bool, np.timedelta64)) or not isinstance(value, (int, float, np.integer, np.floating)):
             raise InvalidArgument(f"{uri}: region {what} label {value!r} is not a number; the coordinate holds "
                                   f"{coord.dtype} values", uri=uri)
         return value, False
