@@ -203,3 +203,22 @@ def test_time_span_coordinates_decode_as_xarray_decodes_them(tmp_path, fmt):
     want = xr.open_zarr(path, consolidated=False).step.values
     assert want.dtype.kind != "m"
     np.testing.assert_array_equal(coords.coordinates(stoker.open_array(os.path.join(path, "v")))["step"], want)
+
+
+@pytest.mark.parametrize("fmt", [2, 3])
+def test_a_missing_date_xarray_wrote_is_nat(tmp_path, fmt):
+    """xarray writes a missing date (NaT) as the int64 minimum, without a _FillValue, and reads it back as NaT;
+    multiplied out it wrapped around to a real date (2000-01-01 here), silently."""
+    from xarray.coding.times import decode_cf_datetime
+
+    path = str(tmp_path / f"t{fmt}.zarr")
+    t = pd.to_datetime(["2000-01-01", None, "2000-01-03"])
+    xr.Dataset({"v": (("time",), np.arange(3.0))}, coords={"time": t}).to_zarr(path, zarr_format=fmt,
+                                                                              consolidated=False)
+    ref = xr.open_zarr(path, consolidated=False).time.values
+    assert np.isnat(ref[1])
+    got = coords.coordinates(stoker.open_array(os.path.join(path, "v")))["time"]
+    np.testing.assert_array_equal(got, ref)
+    stored = np.array([0, np.iinfo(np.int64).min, 2], np.int64)
+    np.testing.assert_array_equal(cf.decode_times(stored, "days since 2000-01-01"),
+                                  np.asarray(decode_cf_datetime(stored, "days since 2000-01-01"), "datetime64[ns]"))

@@ -287,8 +287,8 @@ def decode_times(values: np.ndarray, units: str, calendar: Any = None, uri: str 
                 from None
         unit = _UNITS_NS[step]
         if values.dtype.kind in "iu":
-            offsets = values.astype(np.int64) * unit
-            bad = np.zeros(values.shape, bool)
+            bad = _nat_sentinel(values)  # xarray's missing date: multiplied out it wraps to a real one
+            offsets = np.where(bad, 0, values).astype(np.int64) * unit
         else:
             bad = ~np.isfinite(values)
             offsets = np.round(np.where(bad, 0, values).astype(np.float64) * unit).astype(np.int64)
