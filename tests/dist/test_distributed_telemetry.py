@@ -15,6 +15,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -447,3 +448,76 @@ def test_writer_tensorboard_required_but_missing(monkeypatch, tmp_path):
     with TelemetryWriter(tmp_path / "auto") as tw:  # auto: JSON lines only
         tw.log(0, {"a": 1.0})
     assert os.listdir(tmp_path / "auto") == ["telemetry.jsonl"]
+
+
+def _mismatch_worker(rank: int, world: int, tmp: str) -> None:
+    """Ranks calling reduce_max (and a TelemetryWriter) with different metric names: each case's outcome."""
+    with gloo_group(rank, world, tmp, timeout_s=20):
+        out = {}
+        cases = {
+            "renamed": {"a": 1.0} if rank == 0 else {"b": 5.0},  # same count: the values would pair up wrong
+            "extra": {"a": 1.0} if rank == 0 else {"a": 2.0, "b": 5.0},  # another count: would hang
+            "none": {} if rank == 0 else {"a": 2.0},  # rank 0 would skip the collective the other waits in
+            "joined": {"a\0b": 1.0, "c": 2.0} if rank == 0 else {"a": 1.0, "b\0c": 2.0},  # alike, joined by NUL
+        }
+        for name, metrics in cases.items():
+            try:
+                out[name] = ["ok", reduce_max(metrics)]
+            except InvalidArgument as exc:
+                out[name] = ["InvalidArgument", str(exc)]
+            except Exception as exc:  # noqa: BLE001 - recorded: the test says what it should have been
+                out[name] = [type(exc).__name__, str(exc)[:200]]
+        out["after"] = reduce_max({"x": float(rank)})  # the group still works
+        with TelemetryWriter(Path(tmp) / "tel", tensorboard=False) as tw:
+            try:
+                tw.log(0, {"loss": 1.0} if rank == 0 else {"lr": 0.1})
+                out["writer"] = "ok"
+            except InvalidArgument as exc:
+                out["writer"] = str(exc)
+        write_result(tmp, rank, out)
+
+
+@pytest.mark.timeout(180)
+def test_reduce_max_refuses_metric_names_that_differ_between_ranks(tmp_path):
+    """Different names on the ranks are an InvalidArgument on every rank, never rank 0's "a" taking rank 1's
+    "b" (silently wrong) nor a collective of another length (a hang until the group's timeout)."""
+    results = spawn_ranks(_mismatch_worker, 2, tmp_path)
+    for rank, res in enumerate(results):
+        for name in ("renamed", "extra", "none", "joined"):
+            kind, message = res[name]
+            assert kind == "InvalidArgument", (rank, name, res[name])
+            assert "metric names" in message and "rank" in message
+        assert res["after"] == {"x": 1.0}
+        assert "metric names" in res["writer"]
+    assert not (tmp_path / "tel" / "telemetry.jsonl").exists() or \
+        (tmp_path / "tel" / "telemetry.jsonl").read_text() == ""
+
+
+def _nan_worker(rank: int, world: int, tmp: str) -> None:
+    with gloo_group(rank, world, tmp, timeout_s=20):
+        nan = float("nan")
+        metrics = {"on_first": nan if rank == 0 else 1.0, "on_last": nan if rank == world - 1 else 1.0,
+                   "over_inf": nan if rank == world - 1 else math.inf, "none": float(rank), "count": rank}
+        reduced = reduce_max(metrics)
+        with TelemetryWriter(Path(tmp) / "tel", tensorboard=False) as tw:
+            logged = tw.log(0, metrics)
+        write_result(tmp, rank, {"reduced": typed(reduced), "logged": typed(logged)})
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world", [2, 3])
+def test_reduce_max_a_nan_on_any_rank_is_nan(tmp_path, world):
+    """A metric that is NaN on one rank (a diverged loss) is NaN in the maximum whichever rank it is on, as
+    torch.max and numpy.max have it; gloo's MAX kept it only where it came first in the reduction (rank 1's
+    NaN against rank 0's 1.0 gave 1.0)."""
+    results = spawn_ranks(_nan_worker, world, tmp_path)
+    want = np.max([[np.nan if r == 0 else 1.0, np.nan if r == world - 1 else 1.0,
+                    np.nan if r == world - 1 else np.inf] for r in range(world)], axis=0)
+    assert np.isnan(want).all()  # numpy's max: NaN wherever a rank has it
+    for res in results:
+        for name in ("on_first", "on_last", "over_inf"):
+            for got in (res["reduced"], res["logged"]):
+                assert got[name][0] == "float" and math.isnan(got[name][1]), (name, got)
+        assert res["reduced"]["none"] == ["float", world - 1.0] and res["reduced"]["count"] == ["int", world - 1]
+    line = json.loads((tmp_path / "tel" / "telemetry.jsonl").read_text())
+    assert line["on_first"] is None and line["on_last"] is None and line["over_inf"] is None  # JSON null

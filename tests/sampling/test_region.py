@@ -162,3 +162,43 @@ def test_a_date_label_on_a_cftime_coordinate_covers_its_whole_period():
     assert label_range(coord, "2000-01-02", "2000-01-03 12:00:00.5", "u", "time") == (4, 11)  # an instant
     back = coord[::-1].copy()  # descending: the first label is the later one
     assert label_range(back, "2000-01-03", "2000-01-02", "u", "time") == (8, 16)
+
+
+@pytest.mark.parametrize("fmt", [2, 3])
+def test_a_string_coordinate_beside_does_not_block_a_region_on_time(tmp_path, fmt):
+    """A station axis labelled by strings (stoker reads no string arrays) is no reason to refuse a region on
+    time: the anchors are xarray's .sel on time; a region on the strings themselves is a typed error that
+    names them, not "no coordinate array"."""
+    path = str(tmp_path / f"st{fmt}.zarr")
+    t = pd.date_range("2000-01-01", periods=12, freq="D")
+    ds = xr.Dataset({"v": (("time", "station"), np.zeros((12, 3), "float32"))},
+                    coords={"time": t, "station": ["north", "mid", "south"]})
+    ds.to_zarr(path, zarr_format=fmt, consolidated=False)
+    src = stoker.RandomCrops([os.path.join(path, "v")], (1, 3), seed=0, samples_per_epoch=500,
+                             region={"time": ("2000-01-04", "2000-01-07")})
+    picked = ds.time.sel(time=slice("2000-01-04", "2000-01-07")).values
+    assert starts(src, 0) == {int(i) for i in np.flatnonzero(np.isin(ds.time.values, picked))}
+    with pytest.raises(stoker.errors.UnsupportedFormat, match="station"):
+        stoker.RandomCrops([os.path.join(path, "v")], (1, 1), seed=0, samples_per_epoch=10,
+                           region={"station": ("mid", "south")})
+
+
+@pytest.mark.parametrize("fmt", [2, 3])
+def test_a_lead_time_region_is_xarray_sel_on_timedeltas(tmp_path, fmt):
+    """A forecast's lead times (ECMWF's ``step``) are timedeltas that xarray writes as hours with a
+    ``dtype: timedelta64`` attribute and decodes back; a region of timedelta labels is xarray's .sel on them,
+    whatever their unit (720 minutes is 12 hours, never 720 of the stored hours)."""
+    path = str(tmp_path / f"fc{fmt}.zarr")
+    step = pd.to_timedelta(np.arange(0, 96, 6), unit="h")
+    ds = xr.Dataset({"v": (("step", "x"), np.zeros((len(step), 2), "float32"))}, coords={"step": step})
+    ds.to_zarr(path, zarr_format=fmt, consolidated=False)
+    ref = xr.open_zarr(path, consolidated=False)
+    assert ref.step.dtype.kind == "m"
+    for first, last in [(np.timedelta64(720, "m"), np.timedelta64(1, "D")),
+                        (pd.Timedelta("6h"), pd.Timedelta("2D")), (np.timedelta64(0, "s"), np.timedelta64(5, "h"))]:
+        src = stoker.RandomCrops([os.path.join(path, "v")], (1, 2), seed=0, samples_per_epoch=800,
+                                 region={"step": (first, last)})
+        picked = ref.step.sel(step=slice(first, last)).values
+        assert starts(src, 0) == {int(i) for i in np.flatnonzero(np.isin(ref.step.values, picked))}, (first, last)
+    with pytest.raises(InvalidArgument, match="time span"):  # plain numbers are no lead times
+        stoker.RandomCrops([os.path.join(path, "v")], (1, 2), seed=0, samples_per_epoch=10, region={"step": (6, 24)})

@@ -166,3 +166,59 @@ def test_coding_of_attribute_forms():
     assert cf.coding_of({"_ARRAY_DIMENSIONS": ["x"]}, i2, 2, zarr_fill=None) is None
     with pytest.raises(MetadataError, match="attribute scale_factor 'big' is not a number"):
         cf.coding_of({"scale_factor": "big"}, i2, 3, uri="/d/v")
+
+
+def test_a_string_coordinate_is_none_among_all_and_an_error_on_its_own(tmp_path):
+    """stoker reads no strings: among all coordinates a string one is None (the others as xarray reads them),
+    asked for alone it says why (UnsupportedFormat)."""
+    path = str(tmp_path / "st.zarr")
+    t = pd.date_range("2000-01-01", periods=4, freq="D")
+    xr.Dataset({"v": (("time", "station"), np.zeros((4, 2), "f4"))},
+               coords={"time": t, "station": ["a", "b"]}).to_zarr(path, zarr_format=3, consolidated=False)
+    arr = stoker.open_array(os.path.join(path, "v"))
+    got = coords.coordinates(arr)
+    assert set(got) == {"time", "station"} and got["station"] is None
+    np.testing.assert_array_equal(got["time"], xr.open_zarr(path).time.values)
+    np.testing.assert_array_equal(coords.coordinate(arr, "time"), got["time"])
+    with pytest.raises(UnsupportedFormat, match="station"):
+        coords.coordinate(arr, "station")
+    assert coords.coordinate(arr, "depth") is None  # no such dimension
+
+
+@pytest.mark.parametrize("fmt", [2, 3])
+def test_time_span_coordinates_decode_as_xarray_decodes_them(tmp_path, fmt):
+    """Lead times (xarray writes hours with a ``dtype: timedelta64`` attribute) are timedeltas, as xarray reads
+    them, a missing one NaT; hours without that attribute stay numbers, as in xarray."""
+    path = str(tmp_path / f"fc{fmt}.zarr")
+    step = pd.to_timedelta([0, 1.5, np.nan, 90], unit="h")
+    xr.Dataset({"v": (("step",), np.arange(4.0))}, coords={"step": step}).to_zarr(path, zarr_format=fmt,
+                                                                                 consolidated=False)
+    ref = xr.open_zarr(path, consolidated=False).step.values
+    got = coords.coordinates(stoker.open_array(os.path.join(path, "v")))["step"]
+    assert got.dtype == ref.dtype and got.dtype.kind == "m"
+    np.testing.assert_array_equal(got, ref)  # NaT where xarray has NaT
+    z = zarr.open_array(os.path.join(path, "step"), mode="r+")
+    z.attrs.update({"dtype": None})  # units "hours" alone: xarray leaves the numbers as they are
+    del z.attrs["dtype"]
+    want = xr.open_zarr(path, consolidated=False).step.values
+    assert want.dtype.kind != "m"
+    np.testing.assert_array_equal(coords.coordinates(stoker.open_array(os.path.join(path, "v")))["step"], want)
+
+
+@pytest.mark.parametrize("fmt", [2, 3])
+def test_a_missing_date_xarray_wrote_is_nat(tmp_path, fmt):
+    """xarray writes a missing date (NaT) as the int64 minimum, without a _FillValue, and reads it back as NaT;
+    multiplied out it wrapped around to a real date (2000-01-01 here), silently."""
+    from xarray.coding.times import decode_cf_datetime
+
+    path = str(tmp_path / f"t{fmt}.zarr")
+    t = pd.to_datetime(["2000-01-01", None, "2000-01-03"])
+    xr.Dataset({"v": (("time",), np.arange(3.0))}, coords={"time": t}).to_zarr(path, zarr_format=fmt,
+                                                                              consolidated=False)
+    ref = xr.open_zarr(path, consolidated=False).time.values
+    assert np.isnat(ref[1])
+    got = coords.coordinates(stoker.open_array(os.path.join(path, "v")))["time"]
+    np.testing.assert_array_equal(got, ref)
+    stored = np.array([0, np.iinfo(np.int64).min, 2], np.int64)
+    np.testing.assert_array_equal(cf.decode_times(stored, "days since 2000-01-01"),
+                                  np.asarray(decode_cf_datetime(stored, "days since 2000-01-01"), "datetime64[ns]"))

@@ -125,7 +125,7 @@ def parse_region(region: Any, shape: Sequence[int], uri: str, reader: Any = None
 def _labels(name: str, bounds: Any, shape: Sequence[int], uri: str, reader: Any,
             storage_options: dict | None) -> tuple[int, tuple[int, int]]:
     """``(axis, (start, stop))``: the index range of dimension ``name``'s labels ``bounds`` in ``reader``'s array."""
-    from ..reader.coords import coordinates, dimension_names
+    from ..reader.coords import coordinate, dimension_names
     from ..sampling.region import index_ranges
 
     if reader is None:
@@ -133,7 +133,7 @@ def _labels(name: str, bounds: Any, shape: Sequence[int], uri: str, reader: Any,
                               knob="region", uri=uri)
     ranges = index_ranges({name: bounds}, uri, tuple(shape), lambda: reader,
                           lambda r: dimension_names(r, None, storage_options),
-                          lambda r: coordinates(r, storage_options))
+                          lambda r, key: coordinate(r, key, storage_options))
     axis = list(dimension_names(reader, None, storage_options) or ()).index(name)
     return axis, ranges[axis]
 

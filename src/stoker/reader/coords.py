@@ -4,7 +4,7 @@ Dimension names are Zarr v3's ``dimension_names`` or, in v2, xarray's ``_ARRAY_D
 dimension's coordinates are the xarray layout's: the 1-d array named like the dimension in the array's
 parent group, as long as the dimension. They are read with :func:`~stoker.reader.array.open_array` (local
 paths, object stores, zip archives alike) and decoded as xarray decodes them (CF times to ``datetime64``,
-packed or filled values to floats; :mod:`stoker.zarr.cf`). Everything is read once per reader and kept
+time spans to ``timedelta64``, packed or filled values to floats; :mod:`stoker.zarr.cf`). Everything is read once per reader and kept
 with it (a pipeline opens each array once).
 
 >>> arr = stoker.open_array("/data/era5.zarr/t2m")
@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InvalidArgument, MetadataError, NotFound
+from ..errors import InvalidArgument, MetadataError, NotFound, UnsupportedFormat
 from ..storage.locate import Stores, locate
-from ..zarr.cf import CFCoding, coding_of, decode_times, is_time_units
+from ..zarr.cf import CFCoding, coding_of, decode_timedeltas, decode_times, is_time_units, timedelta_dtype
 from ..zarr.fields import show
 from ..zarr.metadata import parse_json
 from .array import MAX_METADATA_BYTES, ArrayReader, open_array
@@ -34,7 +34,9 @@ from .array import MAX_METADATA_BYTES, ArrayReader, open_array
 _lock = threading.Lock()
 # per reader: its documents' attributes and v2 stored fill value, its coordinates (by storage options)
 _documents: "weakref.WeakKeyDictionary[ArrayReader, tuple[dict, Any, tuple | None]]" = weakref.WeakKeyDictionary()
+# per reader: the coordinates read, by dimension name (coordinate), and all of them (coordinates)
 _coords: "weakref.WeakKeyDictionary[ArrayReader, dict[str, np.ndarray | None]]" = weakref.WeakKeyDictionary()
+_all_coords: "weakref.WeakKeyDictionary[ArrayReader, dict[str, np.ndarray | None]]" = weakref.WeakKeyDictionary()
 
 
 def _read(reader: ArrayReader, name: str) -> dict | None:
@@ -140,10 +142,16 @@ def sibling_uri(uri: str, name: str) -> str:
 
 def decoded(reader: ArrayReader, values: np.ndarray, stores: Stores | None = None,
             options: dict | None = None) -> np.ndarray:
-    """``values`` read from ``reader`` decoded as xarray decodes a variable: CF times to dates (masked
-    values: NaT), else packed or filled values to floats; values without a coding as they are."""
+    """``values`` read from ``reader`` decoded as xarray decodes a variable: CF times to dates and time spans
+    (xarray's ``dtype: timedelta64`` beside a time unit) to timedeltas (masked values: NaT), else packed or
+    filled values to floats; values without a coding as they are."""
     attrs = attributes(reader, stores, options)
     code = coding(reader, stores, options)
+    spans = timedelta_dtype(attrs)
+    if spans is not None:  # time spans (lead times), as xarray wrote them: hours beside dtype: timedelta64[..]
+        if code is not None:
+            values = code.decode(values, np.float64)
+        return decode_timedeltas(values, attrs["units"], spans, reader.uri)
     if is_time_units(attrs.get("units")):
         if code is not None:  # masked or packed times: floats first, NaN the fills
             values = code.decode(values, np.float64)
@@ -151,32 +159,52 @@ def decoded(reader: ArrayReader, values: np.ndarray, stores: Stores | None = Non
     return values if code is None else code.decode(values, np.float64)
 
 
-def coordinates(reader: ArrayReader, storage_options: dict | None = None,
-                stores: Stores | None = None) -> dict[str, np.ndarray | None]:
-    """Each named dimension's coordinate labels, decoded (None: no coordinate array beside it), read once
-    per reader. A coordinate is the 1-d array named like the dimension in the array's parent group, as
-    long as the axis (the xarray layout)."""
+def coordinate(reader: ArrayReader, name: str, storage_options: dict | None = None,
+               stores: Stores | None = None) -> np.ndarray | None:
+    """The decoded labels of ``reader``'s dimension ``name`` (None: no coordinate array beside it, or one
+    that is not 1-d and as long as the axis), read once per reader and name. A coordinate array stoker
+    cannot read (strings: UnsupportedFormat) raises here, for the one who asked for it."""
     with _lock:
         kept = _coords.get(reader)
+        if kept is not None and name in kept:
+            return kept[name]
+    names = dimension_names(reader, stores, storage_options) or ()
+    if name not in names:
+        return None
+    axis = names.index(name)
+    if reader.ndim == 1 and axis == 0 and os.path.basename(reader.uri.rstrip("/")) == name:
+        coord = reader  # the coordinate itself
+    else:
+        try:
+            coord = open_array(sibling_uri(reader.uri, name), storage_options, stores=stores)
+        except (NotFound, InvalidArgument):  # nothing of that name, or a group: no coordinate array
+            coord = None
+    got = None
+    if coord is not None and coord.ndim == 1 and coord.shape[0] == reader.shape[axis]:
+        got = decoded(coord, coord.read([(0, coord.shape[0])]), stores, storage_options)
+    with _lock:
+        _coords.setdefault(reader, {})[name] = got
+    return got
+
+
+def coordinates(reader: ArrayReader, storage_options: dict | None = None,
+                stores: Stores | None = None) -> dict[str, np.ndarray | None]:
+    """Each named dimension's coordinate labels, decoded (None: no coordinate array beside it, or one stoker
+    cannot read, such as strings), read once per reader. A coordinate is the 1-d array named like the
+    dimension in the array's parent group, as long as the axis (the xarray layout); see :func:`coordinate`
+    for one dimension's, which says why it cannot be read."""
+    with _lock:
+        kept = _all_coords.get(reader)
     if kept is not None:
         return kept
-    names = dimension_names(reader, stores, storage_options) or ()
     out: dict[str, np.ndarray | None] = {}
-    for axis, name in enumerate(names):
+    for name in dimension_names(reader, stores, storage_options) or ():
         if name is None or name in out:
             continue
-        if reader.ndim == 1 and axis == 0 and os.path.basename(reader.uri.rstrip("/")) == name:
-            coord = reader  # the coordinate itself
-        else:
-            try:
-                coord = open_array(sibling_uri(reader.uri, name), storage_options, stores=stores)
-            except (NotFound, InvalidArgument):  # nothing of that name, or a group: no coordinate array
-                out[name] = None
-                continue
-        if coord.ndim != 1 or coord.shape[0] != reader.shape[axis]:
+        try:
+            out[name] = coordinate(reader, name, storage_options, stores)
+        except UnsupportedFormat:  # labels stoker reads no values of (strings): no labels to select by
             out[name] = None
-            continue
-        out[name] = decoded(coord, coord.read([(0, coord.shape[0])]), stores, storage_options)
     with _lock:
-        _coords[reader] = out
+        _all_coords[reader] = out
     return out

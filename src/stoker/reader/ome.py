@@ -5,7 +5,8 @@
 >>> level_scale("/data/plain.zarr") is None       # not a level of an OME-Zarr image (or level 0): scale 1
 True
 
-The array's parent group holds the metadata: OME-Zarr 0.5 (Zarr v3) under ``attributes["ome"]["multiscales"]``,
+The image group holds the metadata: the array's parent, or the group above that a nested dataset ``path``
+(``"s/1"``) is relative to. OME-Zarr 0.5 (Zarr v3) under ``attributes["ome"]["multiscales"]``,
 0.4 (Zarr v2 ``.zattrs``, or a v3 group's attributes) under ``"multiscales"``. Each dataset names its
 ``path`` and its ``coordinateTransformations``; the ``scale`` transform of the level over that of the first
 dataset (level 0) is the number of level-0 voxels one of the level's voxels spans, per axis. The
@@ -22,7 +23,7 @@ from __future__ import annotations
 import json
 import os
 import posixpath
-from typing import Any
+from typing import Any, Callable, Iterator
 
 from ..errors import MetadataError
 from ..storage.local import read_regular
@@ -31,43 +32,62 @@ from ..storage.locate import Stores, default_stores, locate
 #: how far a ratio of float scales may be from an integer and still be that integer (they are written as
 #: products of floats, e.g. 0.36039815 * 4)
 _TOLERANCE = 1e-6
+#: How many groups above an array are asked whether their ``multiscales`` list it: a dataset ``path`` is
+#: relative to its image group and may be nested (``"s/1"``, two folders below it); the search stops at the
+#: first group that has ``multiscales``, listing the array or not.
+MAX_PATH_DEPTH = 4
 
 
 def level_scale(uri: str | os.PathLike, storage_options: dict | None = None,
                 stores: Stores | None = None) -> tuple[int, ...] | None:
     """Per axis, how many level-0 voxels one voxel of the array at ``uri`` spans, when the array is a level
-    of an OME-Zarr image (its parent group's ``multiscales`` lists it); None for level 0 and for an array
+    of an OME-Zarr image (the ``multiscales`` of its parent, or of the nearest group above that has them,
+    list its path below that group); None for level 0 and for an array
     that is no such level (both span one reference voxel per voxel). A level whose scale
     is missing, or not a whole multiple of level 0's, is a :class:`~stoker.errors.MetadataError` that says
     to give the scale explicitly."""
     uri = os.fspath(uri)
-    attrs, name = _parent_attributes(uri, storage_options, stores)
+    for attrs, name in _ancestor_attributes(uri, storage_options, stores):
+        multiscales = _multiscales(attrs)
+        if multiscales is None:
+            continue  # a plain group between the array and its image group (a nested dataset path)
+        for multiscale in multiscales:
+            datasets = multiscale.get("datasets") if isinstance(multiscale, dict) else None
+            if not isinstance(datasets, list) or not datasets:
+                continue
+            paths = [_dataset_path(d) for d in datasets]
+            if name not in paths:
+                continue
+            level = paths.index(name)
+            if level == 0:
+                return None  # level 0 is the reference: scale 1 on every axis (whatever its rank)
+            base, mine = _scale(datasets[0], uri, paths[0]), _scale(datasets[level], uri, name)
+            if base is None or mine is None or len(base) != len(mine):
+                raise MetadataError(
+                    f"{uri}: level {name!r} of the OME-Zarr image's multiscales has no scale transform comparable "
+                    f"to level {paths[0]!r}'s ({mine} against {base}); pass the scale explicitly "
+                    "(Field(..., scale=...), Mask(..., scale=...))", uri=uri)
+            ratios = tuple(_ratio(m, b, uri, name, axis) for axis, (m, b) in enumerate(zip(mine, base)))
+            _check_shift(datasets[0], datasets[level], base, ratios, uri, name)
+            return ratios
+        return None  # the nearest image group does not list the array: no level of it
+    return None
+
+
+def _multiscales(attrs: Any) -> list | None:
+    """A group's ``multiscales`` (0.5: under ``ome``; 0.4: at the top), or None."""
     if not isinstance(attrs, dict):
         return None
     ome = attrs.get("ome")
     multiscales = ome.get("multiscales") if isinstance(ome, dict) else attrs.get("multiscales")
-    if not isinstance(multiscales, list):
-        return None
-    for multiscale in multiscales:
-        datasets = multiscale.get("datasets") if isinstance(multiscale, dict) else None
-        if not isinstance(datasets, list) or not datasets:
-            continue
-        paths = [d.get("path") if isinstance(d, dict) else None for d in datasets]
-        if name not in paths:
-            continue
-        level = paths.index(name)
-        if level == 0:
-            return None  # level 0 is the reference: scale 1 on every axis (whatever its rank)
-        base, mine = _scale(datasets[0], uri, paths[0]), _scale(datasets[level], uri, name)
-        if base is None or mine is None or len(base) != len(mine):
-            raise MetadataError(
-                f"{uri}: level {name!r} of the OME-Zarr image's multiscales has no scale transform comparable to "
-                f"level {paths[0]!r}'s ({mine} against {base}); pass the scale explicitly (Field(..., scale=...), "
-                "Mask(..., scale=...))", uri=uri)
-        ratios = tuple(_ratio(m, b, uri, name, axis) for axis, (m, b) in enumerate(zip(mine, base)))
-        _check_shift(datasets[0], datasets[level], base, ratios, uri, name)
-        return ratios
-    return None
+    return multiscales if isinstance(multiscales, list) else None
+
+
+def _dataset_path(dataset: Any) -> Any:
+    """A dataset's ``path`` as the array's name below the image group is written (no ``./``, no trailing or
+    doubled ``/``); anything not a string as it is (it names no array)."""
+    path = dataset.get("path") if isinstance(dataset, dict) else None
+    return posixpath.normpath(path).lstrip("/") if isinstance(path, str) and path.strip("/.") else path
 
 
 def _transform(dataset: dict, kind: str, uri: str, name: Any) -> list[float] | None:
@@ -119,26 +139,35 @@ def _ratio(mine: float, base: float, uri: str, name: str, axis: int) -> int:
     return int(whole)
 
 
-def _parent_attributes(uri: str, storage_options: dict | None, stores: Stores | None) -> tuple[Any, str]:
-    """``(attributes of the array's parent group or None, the array's name in it)``."""
+def _ancestor_attributes(uri: str, storage_options: dict | None,
+                         stores: Stores | None) -> Iterator[tuple[Any, str]]:
+    """``(attributes of an ancestor group of the array or None, the array's path below it)``, from its parent
+    up, at most :data:`MAX_PATH_DEPTH` groups (a dataset ``path`` may be nested: ``"s/1"``)."""
     loc = locate(uri)
     if loc.is_local:
         assert loc.path is not None
-        parent, name = os.path.split(os.path.normpath(loc.path))
+        split, join = os.path.split, os.path.join
+        parent, name = split(os.path.normpath(loc.path))
+        read: Callable[[str], bytes | None] = read_regular
+    else:
+        if not loc.prefix:
+            return
+        split, join = posixpath.split, posixpath.join
+        parent, name = split(loc.prefix)
+        _, hierarchy = (stores or default_stores()).get(loc, storage_options)
+        read = lambda key: hierarchy.read(key, uri, optional=True)  # noqa: E731
+    for _ in range(MAX_PATH_DEPTH):
+        attrs = None
         for doc_name, pick in (("zarr.json", _v3_attributes), (".zattrs", _as_dict)):
-            raw = read_regular(os.path.join(parent, doc_name))
+            raw = read(join(parent, doc_name) if parent else doc_name)
             if raw is not None:
-                return pick(raw, uri), name
-        return None, name
-    if not loc.prefix:
-        return None, ""
-    parent, name = posixpath.split(loc.prefix)
-    _, hierarchy = (stores or default_stores()).get(loc, storage_options)
-    for doc_name, pick in (("zarr.json", _v3_attributes), (".zattrs", _as_dict)):
-        raw = hierarchy.read(posixpath.join(parent, doc_name) if parent else doc_name, uri, optional=True)
-        if raw is not None:
-            return pick(raw, uri), name
-    return None, name
+                attrs = pick(raw, uri)
+                break
+        yield attrs, name
+        up, folder = split(parent)
+        if not folder:
+            return  # that was the file system's or the store's root
+        parent, name = up, f"{folder}/{name}"
 
 
 def _as_dict(raw: bytes, uri: str) -> Any:

@@ -270,7 +270,7 @@ def region_bounds(fields: Mapping[str, Field], shapes: Mapping[str, tuple[int, .
     :mod:`stoker.sampling.region`) and restricts where that field's box starts, ``[i0, i1)`` in its own
     voxels; with its scale ``s`` and offset ``o`` that is anchors in ``[i0 * s - o, i1 * s - o)``."""
     from ..reader.array import open_array
-    from ..reader.coords import coordinates, dimension_names
+    from ..reader.coords import coordinate, dimension_names
     from ..storage.locate import options_for
     from .region import index_ranges
 
@@ -283,5 +283,5 @@ def region_bounds(fields: Mapping[str, Field], shapes: Mapping[str, tuple[int, .
     options = options_for(by_prefix, uri)
     ranges = index_ranges(region, uri, tuple(shapes[name]), lambda: open_array(uri, options, stores=stores),
                           lambda reader: dimension_names(reader, stores, options),
-                          lambda reader: coordinates(reader, options, stores))
+                          lambda reader, key: coordinate(reader, key, options, stores))
     return [(i0 * s - o, i1 * s - o) for (i0, i1), s, o in zip(ranges, scale, f.offset)]

@@ -7,10 +7,11 @@ chosen). On top of that every box still lies inside its array.
 
 - an axis number (``0``, or ``-3``) takes ``(start, stop)`` indices, half-open, as a slice (``None``: open);
 - a dimension name (:func:`~stoker.reader.coords.dimension_names`) takes ``(first, last)`` labels of its
-  coordinate array (:func:`~stoker.reader.coords.coordinates`), both included, as xarray's
+  coordinate array (:func:`~stoker.reader.coords.coordinate`), both included, as xarray's
   ``.sel(dim=slice(first, last))``: on ascending or descending coordinates (descending: ``first`` is the
   larger label, as in xarray); a date string on a time coordinate covers its whole period
-  (``"2000-05-31"``: that day; ``"2000-05"``: that month), as pandas' partial dates do.
+  (``"2000-05-31"``: that day; ``"2000-05"``: that month), as pandas' partial dates do; a coordinate of time
+  spans (a forecast's lead times) takes ``numpy.timedelta64`` or ``datetime.timedelta`` labels, in any unit.
 
 >>> lo, count = anchor_ranges(["/data/era5.zarr/t2m"], [(1464, 181, 360)], (2, 181, 360),
 ...                           {"time": ("2000-03-01", "2000-05-31")})
@@ -24,7 +25,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, UnsupportedFormat
 
 
 def _reference(entry: Any) -> str:
@@ -46,8 +47,14 @@ def _as_label(value: Any, coord: np.ndarray, what: str, uri: str, upper: bool) -
             return np.datetime64(value.to_datetime64() if hasattr(value, "to_datetime64") else value), False
         raise InvalidArgument(f"{uri}: region {what} label {value!r} is not a date; the coordinate holds dates",
                               uri=uri)
+    if coord.dtype.kind == "m":
+        if isinstance(value, (np.timedelta64, datetime.timedelta)):  # pandas' Timedelta is a datetime.timedelta
+            return np.timedelta64(value.to_timedelta64() if hasattr(value, "to_timedelta64") else value), False
+        raise InvalidArgument(f"{uri}: region {what} label {value!r} is not a time span (numpy.timedelta64 or "
+                              "datetime.timedelta); the coordinate holds time spans", uri=uri)
     if coord.dtype.kind in "iuf":
-        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        # numpy's timedelta64 is an integer type: its count, in whatever unit, is no label of numbers
+        if isinstance(value, (bool, np.timedelta64)) or not isinstance(value, (int, float, np.integer, np.floating)):
             raise InvalidArgument(f"{uri}: region {what} label {value!r} is not a number; the coordinate holds "
                                   f"{coord.dtype} values", uri=uri)
         return value, False
@@ -106,10 +113,11 @@ def _pair(value: Any, key: Any, uri: str) -> tuple[Any, Any]:
 
 
 def index_ranges(region: dict, uri: str, shape: tuple[int, ...], reader_of: Any, names_of: Any,
-                 coords_of: Any) -> list[tuple[int, int]]:
+                 coord_of: Any) -> list[tuple[int, int]]:
     """Per axis of an array of ``shape``, the half-open index range ``region`` allows (whole axes where it
-    says nothing). ``reader_of()`` opens the array, ``names_of(reader)`` and ``coords_of(reader)`` read its
-    dimension names and coordinates, asked only for dimension names."""
+    says nothing). ``reader_of()`` opens the array, ``names_of(reader)`` reads its dimension names and
+    ``coord_of(reader, name)`` the coordinate of the dimension a region names
+    (:func:`~stoker.reader.coords.coordinate`), asked only for dimension names."""
     ndim = len(shape)
     out = [(0, s) for s in shape]
     for key, value in region.items():
@@ -133,7 +141,13 @@ def index_ranges(region: dict, uri: str, shape: tuple[int, ...], reader_of: Any,
                     f"{list(names) if names else 'not named'} (v3 dimension_names, or xarray's _ARRAY_DIMENSIONS); "
                     "give the region by axis number: region={axis: (start, stop)}", uri=uri, dimension=key)
             axis = names.index(key)
-            coord = coords_of(reader).get(key)
+            try:
+                coord = coord_of(reader, key)
+            except UnsupportedFormat as exc:
+                raise UnsupportedFormat(
+                    f"{uri}: region names the dimension {key!r}, whose coordinate array stoker cannot read as "
+                    f"labels ({exc}); give the region by axis number: region={{{axis}: (start, stop)}}",
+                    uri=uri, dimension=key) from exc
             if coord is None:
                 raise InvalidArgument(
                     f"{uri}: region names the dimension {key!r}, but no coordinate array {key!r} of length "
@@ -152,7 +166,7 @@ def anchor_ranges(entries: Sequence[Any], shapes: Sequence[tuple[int, ...]], sam
     """``(first anchor, anchor count)`` per entry and axis, ``(n, ndim)`` int64 each: the box starts a
     sampler may draw in each entry's reference array under ``region`` (a count of 0: none)."""
     from ..reader.array import open_array
-    from ..reader.coords import coordinates, dimension_names
+    from ..reader.coords import coordinate, dimension_names
     from ..storage.locate import Stores, check_options_by_prefix, options_for
 
     if not isinstance(region, dict) or not region:
@@ -171,13 +185,13 @@ def anchor_ranges(entries: Sequence[Any], shapes: Sequence[tuple[int, ...]], sam
                     opened.append(open_array(uri, options_for(by_prefix, uri), stores=stores))
                 return opened[0]
 
-            def coords_of(reader: Any, uri: str = uri) -> dict:  # beside it, opened with its options
-                return coordinates(reader, options_for(by_prefix, uri), stores)
+            def coord_of(reader: Any, name: str, uri: str = uri) -> Any:  # beside it, opened with its options
+                return coordinate(reader, name, options_for(by_prefix, uri), stores)
 
             def names_of(reader: Any, uri: str = uri) -> Any:
                 return dimension_names(reader, stores, options_for(by_prefix, uri))
 
-            ranges = index_ranges(region, uri, tuple(shape), reader_of, names_of, coords_of)
+            ranges = index_ranges(region, uri, tuple(shape), reader_of, names_of, coord_of)
             lo = [start for start, _ in ranges]
             # a box starting at i fits when i + crop <= the axis' length
             hi = [min(stop, s - c + 1) for (_, stop), s, c in zip(ranges, shape, sample_shape)]

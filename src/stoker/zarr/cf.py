@@ -224,6 +224,52 @@ def is_time_units(units: Any) -> bool:
     return units.split(" since ", 1)[0].strip().lower().rstrip("s") + "s" in _UNITS_NS
 
 
+def _nat_sentinel(values: np.ndarray) -> np.ndarray:
+    """Where integer ``values`` hold the int64 minimum: numpy's NaT, which xarray writes for a missing date or
+    time span (without a ``_FillValue``) and reads back as NaT."""
+    if values.dtype != np.int64:
+        return np.zeros(values.shape, bool)
+    return values == np.iinfo(np.int64).min
+
+
+def timedelta_dtype(attrs: dict) -> np.dtype | None:
+    """The ``timedelta64`` dtype xarray decodes a variable to (time spans such as a forecast's lead times):
+    the one its ``dtype`` attribute names, beside ``units`` that are a time unit alone (``"hours"``), as
+    xarray writes them; None for any other variable (xarray decodes no units alone, without that attribute)."""
+    kind, units = attrs.get("dtype"), attrs.get("units")
+    if not isinstance(kind, str) or not kind.startswith("timedelta64") or not isinstance(units, str) or \
+            " since " in units:
+        return None
+    try:
+        dtype = np.dtype(kind)
+    except TypeError:
+        return None
+    return dtype if dtype.kind == "m" else None
+
+
+def decode_timedeltas(values: np.ndarray, units: str, dtype: np.dtype, uri: str = "") -> np.ndarray:
+    """CF-encoded time spans (``units``: ``"hours"``, ``"days"``...) as xarray decodes them, in ``dtype``
+    (:func:`timedelta_dtype`; NaN: NaT).
+
+    >>> decode_timedeltas(np.array([0, 6]), "hours", np.dtype("timedelta64[s]"))
+    array([    0, 21600], dtype='timedelta64[s]')
+    """
+    step = units.strip().lower()
+    step = step if step.endswith("s") else step + "s"
+    if step not in _UNITS_NS:
+        raise UnsupportedFormat(f"{uri}: time span units {units!r}: stoker decodes {', '.join(_UNITS_NS)}",
+                                uri=uri, units=units)
+    unit, values = _UNITS_NS[step], np.asarray(values)
+    if values.dtype.kind in "iu":
+        out = (values.astype(np.int64) * unit).astype("timedelta64[ns]")
+        out[_nat_sentinel(values)] = np.timedelta64("NaT")
+    else:
+        bad = ~np.isfinite(values)
+        out = np.round(np.where(bad, 0, values).astype(np.float64) * unit).astype(np.int64).astype("timedelta64[ns]")
+        out[bad] = np.timedelta64("NaT")
+    return out.astype(dtype)
+
+
 def decode_times(values: np.ndarray, units: str, calendar: Any = None, uri: str = "") -> np.ndarray:
     """CF-encoded times as xarray decodes them: ``datetime64[ns]`` for the standard calendars (NaN: NaT),
     else cftime dates where cftime is installed (UnsupportedFormat naming the calendar otherwise).
@@ -249,8 +295,8 @@ def decode_times(values: np.ndarray, units: str, calendar: Any = None, uri: str 
                 from None
         unit = _UNITS_NS[step]
         if values.dtype.kind in "iu":
-            offsets = values.astype(np.int64) * unit
-            bad = np.zeros(values.shape, bool)
+            bad = _nat_sentinel(values)  # xarray's missing date: multiplied out it wraps to a real one
+            offsets = np.where(bad, 0, values).astype(np.int64) * unit
         else:
             bad = ~np.isfinite(values)
             offsets = np.round(np.where(bad, 0, values).astype(np.float64) * unit).astype(np.int64)
