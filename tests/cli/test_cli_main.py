@@ -1,0 +1,25 @@
+"""The ``stoker`` command as a shell user meets it: output into a closed pipe, usage errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_output_into_a_closed_pipe_ends_quietly():
+    """``stoker doctor | head -1``: the reader has gone before stoker writes. That is no error of the user's
+    and no bug: no traceback, no 'Exception ignored' at exit, and the status a SIGPIPE'd command reports."""
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone: every write to the pipe fails with EPIPE
+    try:
+        done = subprocess.run([sys.executable, "-m", "stoker", "doctor"], stdout=write, stderr=subprocess.PIPE,
+                              text=True, timeout=100, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    finally:
+        os.close(write)
+    assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr, done.stderr
+    assert done.stderr == "" and done.returncode == 141
