@@ -74,6 +74,19 @@ def test_plot_mistakes_are_one_line_and_status_2(tmp_path, capsys):
     assert f"no bench results at {missing} (write them with stoker bench --json FILE)" in capsys.readouterr().err
 
 
+def test_telemetry_with_bytes_that_are_not_text_skips_those_lines(tmp_path, capsys):
+    """A line of telemetry that is not UTF-8 (a disk's garbage after a crash, or not a telemetry file at all)
+    is a line that does not parse: skipped, as read_telemetry says, never a UnicodeDecodeError."""
+    from stoker.cli.plots import read_telemetry
+
+    log = tmp_path / "telemetry.jsonl"
+    log.write_bytes(b'{"step": 1, "loss": 0.5}\n\xe9\xff\x00garbage\n{"step": 2, "loss": 0.25}\n')
+    assert read_telemetry(tmp_path) == {"loss": {1: 0.5, 2: 0.25}}
+    log.write_bytes(bytes(range(256)) * 4)
+    assert main(["plot", str(tmp_path)]) == 2
+    assert "holds no telemetry records" in capsys.readouterr().err
+
+
 def test_without_matplotlib_the_error_is_typed_and_one_line(tmp_path):
     # a process where matplotlib cannot be imported (whether or not it is installed here)
     code = ("import sys; sys.modules['matplotlib'] = None; from stoker.cli import main; "

@@ -60,7 +60,7 @@ def read_telemetry(run: str | os.PathLike) -> dict[str, dict[int, float]]:
     """Each metric of a run's ``telemetry.jsonl`` (``run`` is the file or its folder) as ``{step: value}``.
 
     A step logged twice (a killed run, then its resumption) keeps its last value; null (a NaN loss) is left
-    out; a line that does not parse (cut short by a full disk) is skipped."""
+    out; a line that does not parse (cut short by a full disk, or bytes that are not text) is skipped."""
     path = Path(run)
     if path.is_dir():
         path = path / TELEMETRY
@@ -68,7 +68,7 @@ def read_telemetry(run: str | os.PathLike) -> dict[str, dict[int, float]]:
         raise NotFound(f"no telemetry at {path}: give a run folder holding {TELEMETRY} (the Trainer's "
                        "telemetry_dir) or the file itself", uri=str(path))
     series: dict[str, dict[int, float]] = {}
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", errors="replace") as f:  # a line not UTF-8 then fails json.loads: skipped
         for line in f:
             try:
                 record = json.loads(line)
