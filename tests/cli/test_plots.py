@@ -87,6 +87,18 @@ def test_telemetry_with_bytes_that_are_not_text_skips_those_lines(tmp_path, caps
     assert "holds no telemetry records" in capsys.readouterr().err
 
 
+def test_bench_json_without_a_peers_numbers_is_a_one_line_error(tmp_path, capsys):
+    """JSON with a 'scenarios' list whose peers lack what stoker bench --json writes (a hand edit, another
+    tool's file): the error names what is missing, not a KeyError traceback."""
+    bad = tmp_path / "bench.json"
+    for peer, missing in (({"peer": "x"}, "samples_per_s"), ({"samples_per_s": 3.0}, "peer"),
+                          ({"peer": "x", "samples_per_s": None}, "samples_per_s"), ("x", "peer")):
+        bad.write_text(json.dumps({"scenarios": [{"number": 4, "peers": [peer]}]}))
+        assert main(["plot", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert "not the JSON stoker bench --json writes" in err and missing in err and "scenario 4" in err, err
+
+
 def test_without_matplotlib_the_error_is_typed_and_one_line(tmp_path):
     # a process where matplotlib cannot be imported (whether or not it is installed here)
     code = ("import sys; sys.modules['matplotlib'] = None; from stoker.cli import main; "

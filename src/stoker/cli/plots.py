@@ -135,7 +135,32 @@ def _bench_doc(bench: Mapping[str, Any] | str | os.PathLike) -> Mapping[str, Any
         raise InvalidArgument(f"{path} is not the JSON stoker bench --json writes: {exc}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("scenarios"), list):
         raise InvalidArgument(f"{path} is not the JSON stoker bench --json writes (no 'scenarios' list)")
+    for sc in doc["scenarios"]:
+        _check_scenario(sc, path)
     return doc
+
+
+def _check_scenario(sc: Any, path: Path) -> None:
+    """InvalidArgument naming the first thing :func:`plot_bench` draws that scenario ``sc`` lacks: each peer's
+    name and samples/s (a number), its rounds (numbers) where given."""
+    def wrong(what: str) -> InvalidArgument:
+        where = f"scenario {sc.get('number', '?')}" if isinstance(sc, dict) else "a scenario"
+        return InvalidArgument(f"{path} is not the JSON stoker bench --json writes: {where} {what}")
+
+    if not isinstance(sc, dict) or not isinstance(sc.get("peers", []), list):
+        raise wrong("is not an object with a 'peers' list")
+    for peer in sc.get("peers", []):
+        if not isinstance(peer, dict) or not isinstance(peer.get("peer"), str):
+            raise wrong("has a peer without its name ('peer')")
+        if not _real(peer.get("samples_per_s")):
+            raise wrong(f"peer {peer['peer']!r} has no number 'samples_per_s'")
+        rounds = peer.get("rounds")
+        if rounds is not None and not (isinstance(rounds, list) and all(_real(r) for r in rounds)):
+            raise wrong(f"peer {peer['peer']!r} has 'rounds' that are not a list of numbers")
+
+
+def _real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def plot_bench(bench: Mapping[str, Any] | str | os.PathLike, out: str | os.PathLike) -> Path:
