@@ -23,3 +23,17 @@ def test_output_into_a_closed_pipe_ends_quietly():
         os.close(write)
     assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr, done.stderr
     assert done.stderr == "" and done.returncode == 141
+
+
+def test_doctor_names_every_codec_the_compiled_reader_decodes():
+    """The README says the compiled reader decodes zstd, blosc, lz4, gzip and zlib; doctor said
+    'decodes zstd, blosc' whatever it loaded. It names each codec the engine was handed, and no other."""
+    from stoker.cli.doctor import report
+    from stoker.engine.cpu import native
+
+    if native.Engine is None:
+        pytest.skip("the compiled reader is not loaded here")
+    (row,) = [value for what, value, _ in report() if what == "compiled reader"]
+    expected = [name for name, on in (("zstd", native.zstd), ("blosc", native.blosc), ("lz4", native.lz4_ready),
+                                      ("gzip", native.zlib_ready), ("zlib", native.zlib_ready)) if on]
+    assert row == f"loaded; decodes {', '.join(expected)}", row

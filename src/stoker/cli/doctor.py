@@ -67,7 +67,9 @@ def report() -> list[tuple[str, str, str | None]]:
         rows.append(("compiled reader", f"off: {why}", "every chunk takes the Python path, 1.3-1.6x slower; "
                                                        "reinstall with a C compiler"))
     else:
-        codecs = ", ".join(n for n, on in (("zstd", native.zstd), ("blosc", native.blosc)) if on) or "none"
+        # each codec the engine was handed (gzip and zlib both through zlib's inflate); the rest take numcodecs
+        codecs = ", ".join(n for n, on in (("zstd", native.zstd), ("blosc", native.blosc), ("lz4", native.lz4_ready),
+                                           ("gzip", native.zlib_ready), ("zlib", native.zlib_ready)) if on)
         rows.append(("compiled reader", f"loaded; decodes {codecs}", None))
     if torch.cuda.is_available():
         gpus = [f"{i}: {torch.cuda.get_device_name(i)}" for i in range(torch.cuda.device_count())]
