@@ -102,3 +102,14 @@ def test_inspect_shows_dimensions_coordinates_and_cf(tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "plain.zarr"), "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert (got["dimensions"], got["coordinates"], got["cf"]) == (None, {}, None)
+
+
+@pytest.mark.parametrize("chunks,dtype,shown", [((20, 20), "int16", "(20, 20) (800 bytes decoded)"),
+                                                 ((64, 64), "float32", "(64, 64) (16.0 KiB decoded)"),
+                                                 ((128, 128), "uint16", "(128, 128) (32.0 KiB decoded)"),
+                                                 ((1024, 512), "float32", "(1024, 512) (2.00 MiB decoded)")])
+def test_inspect_says_the_decoded_chunk_size_in_a_unit_that_shows_it(tmp_path, capsys, chunks, dtype, shown):
+    """A chunk of 800 bytes was '0.00 MiB decoded': a new user read that the chunk held nothing."""
+    zarr.create_array(str(tmp_path / "a.zarr"), shape=(2048, 1024), chunks=chunks, dtype=dtype)
+    assert main(["inspect", str(tmp_path / "a.zarr")]) == 0
+    assert f"read chunk   {shown}\n" in capsys.readouterr().out

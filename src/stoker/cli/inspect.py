@@ -125,6 +125,17 @@ def _plain(value: Any) -> Any:
     return value if isinstance(value, (int, float, str, bool, type(None))) else repr(value)
 
 
+def _bytes(n: int) -> str:
+    """``n`` bytes in the unit that shows them (an 800-byte chunk is not "0.00 MiB").
+
+    >>> _bytes(800), _bytes(16384), _bytes(3 << 20)
+    ('800 bytes', '16.0 KiB', '3.00 MiB')
+    """
+    if n < 1 << 10:
+        return f"{n} bytes"
+    return f"{n / 2**10:.1f} KiB" if n < 1 << 20 else f"{n / 2**20:.2f} MiB"
+
+
 def describe(uri: str, sample_shape: tuple[int, ...] | None = None, options: dict[str, Any] | None = None) -> str:
     f = facts(uri, sample_shape, options)
     arr_shape = tuple(f["shape"])
@@ -133,7 +144,7 @@ def describe(uri: str, sample_shape: tuple[int, ...] | None = None, options: dic
         f"format       zarr v{f['zarr_format']}",
         f"shape        {arr_shape}",
         f"dtype        {f['dtype']} (stored {f['stored_dtype']})",
-        f"read chunk   {tuple(f['chunks'])} ({f['chunk_bytes'] / 2**20:.2f} MiB decoded)",
+        f"read chunk   {tuple(f['chunks'])} ({_bytes(f['chunk_bytes'])} decoded)",
         f"shard        {tuple(f['shards'])}" if f["shards"] else "shard        none",
         f"codecs       {' -> '.join(f['codecs']) or 'none'}",
         f"fill value   {f['fill_value']}",
