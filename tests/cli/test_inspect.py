@@ -113,3 +113,30 @@ def test_inspect_says_the_decoded_chunk_size_in_a_unit_that_shows_it(tmp_path, c
     zarr.create_array(str(tmp_path / "a.zarr"), shape=(2048, 1024), chunks=chunks, dtype=dtype)
     assert main(["inspect", str(tmp_path / "a.zarr")]) == 0
     assert f"read chunk   {shown}\n" in capsys.readouterr().out
+
+
+def test_inspect_shows_the_element_order_zarr_python_wrote(tmp_path, capsys):
+    """A v3 ``transpose`` codec and a v2 ``order: F`` change how every chunk is laid out (and what a crop
+    costs to copy); inspect listed neither ('codecs zstd'), unlike zarr-python's metadata."""
+    import json
+
+    from zarr.codecs import TransposeCodec
+
+    t = zarr.create_array(str(tmp_path / "t.zarr"), shape=(4, 6, 8), chunks=(2, 3, 4), dtype="int32",
+                          filters=[TransposeCodec(order=(2, 0, 1))])
+    assert [c.to_dict()["name"] for c in t.metadata.codecs][:2] == ["transpose", "bytes"]
+    f = zarr.create_array(str(tmp_path / "f.zarr"), shape=(4, 6), chunks=(2, 3), dtype="int32", zarr_format=2,
+                          order="F")
+    assert f.metadata.order == "F"
+    zarr.create_array(str(tmp_path / "c.zarr"), shape=(4, 6), chunks=(2, 3), dtype="int32", zarr_format=2)
+    expected = {"t.zarr": ([2, 0, 1], ["transpose", "zstd"], "order        transpose (2, 0, 1)",
+                           "codecs       transpose -> zstd"),
+                "f.zarr": ("F", ["zstd"], "order        F", "codecs       zstd"),
+                "c.zarr": ("C", ["zstd"], "order        C", "codecs       zstd")}
+    for name, (order, codecs, order_line, codecs_line) in expected.items():
+        assert main(["inspect", str(tmp_path / name), "--json"]) == 0
+        got = json.loads(capsys.readouterr().out)
+        assert (got["order"], got["codecs"]) == (order, codecs), name
+        assert main(["inspect", str(tmp_path / name)]) == 0
+        out = capsys.readouterr().out.splitlines()
+        assert order_line in out and codecs_line in out, (name, out)

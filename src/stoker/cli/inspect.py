@@ -72,7 +72,8 @@ def facts(uri: str, sample_shape: tuple[int, ...] | None = None,
     out: dict[str, Any] = {
         "uri": arr.uri, "zarr_format": arr.zarr_format, "shape": list(arr.shape), "dtype": str(arr.dtype),
         "stored_dtype": codec.stored_dtype.str, "chunks": list(arr.chunks), "chunk_bytes": codec.nbytes,
-        "shards": list(arr.shards) if arr.shards else None, "codecs": list(codec.names),
+        "shards": list(arr.shards) if arr.shards else None, "order": _order(arr),
+        "codecs": (["transpose"] if arr.zarr_format == 3 and codec.order is not None else []) + list(codec.names),
         "fill_value": _plain(arr.fill_value),
     }
     out.update(_named(arr, options))
@@ -88,6 +89,15 @@ def facts(uri: str, sample_shape: tuple[int, ...] | None = None,
             "advice": list(est.advice),
         }
     return out
+
+
+def _order(arr) -> str | list[int]:
+    """How a chunk's elements are laid out, as zarr-python's metadata says it: ``"C"`` or ``"F"`` (a v2
+    ``order``), or a v3 ``transpose`` codec's permutation (the codec list names the codec, as zarr.json does)."""
+    order = arr.metadata.codec.order
+    if order is None:
+        return "C"
+    return "F" if arr.zarr_format == 2 else list(order)
 
 
 def _named(arr, options: dict[str, Any] | None) -> dict[str, Any]:
@@ -146,6 +156,7 @@ def describe(uri: str, sample_shape: tuple[int, ...] | None = None, options: dic
         f"dtype        {f['dtype']} (stored {f['stored_dtype']})",
         f"read chunk   {tuple(f['chunks'])} ({_bytes(f['chunk_bytes'])} decoded)",
         f"shard        {tuple(f['shards'])}" if f["shards"] else "shard        none",
+        f"order        {f['order']}" if isinstance(f["order"], str) else f"order        transpose {tuple(f['order'])}",
         f"codecs       {' -> '.join(f['codecs']) or 'none'}",
         f"fill value   {f['fill_value']}",
     ]
