@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from stoker.cli import main
+
 pytestmark = pytest.mark.timeout(120)
 
 
@@ -37,3 +39,20 @@ def test_doctor_names_every_codec_the_compiled_reader_decodes():
     expected = [name for name, on in (("zstd", native.zstd), ("blosc", native.blosc), ("lz4", native.lz4_ready),
                                       ("gzip", native.zlib_ready), ("zlib", native.zlib_ready)) if on]
     assert row == f"loaded; decodes {', '.join(expected)}", row
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["demo", "--steps", "ten"], "--steps: takes a whole number of at least 1, got 'ten'"),
+    (["demo", "--nprocs", "0"], "--nprocs: takes a whole number of at least 1, got '0'"),
+    (["demo", "--batch-size", "2.5"], "--batch-size: takes a whole number of at least 1, got '2.5'"),
+    (["demo", "--seconds", "soon"], "--seconds: takes seconds (a number above 0), got 'soon'"),
+    (["demo", "--seconds", "-3"], "--seconds: takes seconds (a number above 0), got '-3'"),
+    (["demo", "--seconds", "nan"], "--seconds: takes seconds (a number above 0), got 'nan'"),
+])
+def test_demo_usage_errors_say_what_the_option_takes(capsys, argv, words):
+    """A value that is not a number was argparse's 'invalid _positive_int value': the name of a private
+    function, where every other command says what the option takes."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and words in err and "_positive" not in err and len(err.splitlines()) == 1, err

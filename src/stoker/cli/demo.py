@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from .args import at_least_one
+
 DEFAULT_SECONDS = 45.0
 
 
@@ -92,7 +94,7 @@ def add_parser(sub) -> None:
     p.add_argument("--records", action="store_true", help="point clouds on a record dataset instead of volume crops")
     p.add_argument("--steps", type=_positive_int, default=None,
                    help="train until this optimizer step (counting resumed steps); no time limit unless --seconds")
-    p.add_argument("--seconds", type=_positive_float, default=None,
+    p.add_argument("--seconds", type=_seconds, default=None,
                    help=f"train for this long in this run (default {DEFAULT_SECONDS:.0f} when --steps is not given)")
     p.add_argument("--nprocs", type=_positive_int, default=None, help="ranks (default: GPUs, or 2 CPU processes)")
     p.add_argument("--cpu", action="store_true", help="CPU ranks even when GPUs are present")
@@ -106,15 +108,15 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
-    return value
+_positive_int = at_least_one("a whole number")
 
 
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+def _seconds(text: str) -> float:
+    """``--seconds``: a number above 0 (``inf``: no time limit, the progress bar then counts steps)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"takes seconds (a number above 0), got {text!r}")
     return value
