@@ -56,3 +56,17 @@ def test_demo_usage_errors_say_what_the_option_takes(capsys, argv, words):
         main(argv)
     err = capsys.readouterr().err
     assert exc.value.code == 2 and words in err and "_positive" not in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("argv, missing, words", [
+    (["bench", "--tiny", "--scenarios", "1"], "tensorstore", "--peers stoker,zarr,dataloader,bound"),
+    (["bench", "--tiny", "--scenarios", "12", "--peers", "stoker"], "xarray", "scenario 12"),
+])
+def test_bench_says_what_to_install_before_it_runs_anything(tmp_path, capsys, monkeypatch, argv, missing, words):
+    """stoker bench on a plain install (no tensorstore: it is in the bench extra) ran the stoker peer, then
+    stopped in the tensorstore peer with a ModuleNotFoundError traceback, minutes into a full run."""
+    monkeypatch.setitem(sys.modules, missing, None)  # as if not installed
+    assert main([*argv, "--data", str(tmp_path / "data")]) == 2
+    err = capsys.readouterr().err
+    assert f"needs {missing}" in err and "pip install 'stoker[bench]'" in err and words in err, err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "data").exists()  # nothing written, nothing run

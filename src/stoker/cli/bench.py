@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import platform
 from pathlib import Path
 
 from ..demo.volume import cache_dir
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, MissingDependency
 from .args import at_least_one, byte_size
 
 PEERS = ("stoker", "tensorstore", "zarr", "dataloader", "bound")
@@ -89,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
         _check_fields_args(args, fields, named=bool(args.scenarios))
         fields = fields if args.scenarios or not _fields_refused(args) else []
     peers = set(args.peers) if args.peers else set(PEERS if args.store is None else REMOTE_PEERS)
+    _check_installed(args, peers, fields)
     root = args.data or cache_dir() / "bench"
     if args.decode_on in ("gpu", "hybrid") and args.device != "cuda":
         raise InvalidArgument(f"--decode-on {args.decode_on} decodes on the GPU: run it with --device cuda")
@@ -143,6 +145,26 @@ def run(args: argparse.Namespace) -> int:
     if fields:
         _run_fields(args, fields, peers, root, rounds, records)
     return 0
+
+
+def _check_installed(args: argparse.Namespace, peers: set[str], fields: list[int]) -> None:
+    """MissingDependency, before anything is written or timed, for a package that the chosen peers and
+    scenarios import and that is not installed (the bench extra's): a full run would stop in it minutes in."""
+    needs = []
+    if "tensorstore" in peers or args.device == "cuda":  # --device cuda always times tensorstore + pin_memory
+        others = ",".join(p for p in PEERS if p in peers and p != "tensorstore")
+        needs.append(("tensorstore", "the tensorstore peer" + (f"; or leave it out: --peers {others}" if others
+                                                               and args.device != "cuda" else "")))
+    if 12 in fields:
+        needs.append(("xarray", "scenario 12 (forecasting from an xarray store); or leave it out with --scenarios"))
+    for package, what in needs:
+        try:
+            importlib.import_module(package)
+        except ImportError:
+            cause, _, rest = what.partition(";")
+            raise MissingDependency(f"{cause} needs {package}, which is not installed: pip install 'stoker[bench]' "
+                                    f"(or {package}){';' + rest if rest else ''}", package=package,
+                                    extra="bench") from None
 
 
 def _fields_refused(args: argparse.Namespace) -> list[str]:
