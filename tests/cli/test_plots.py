@@ -154,3 +154,25 @@ def test_inspect_json_holds_the_layout_and_the_estimate(tmp_path, capsys):
     crops = json.loads(capsys.readouterr().out)["crops"]
     assert crops["sample_shape"] == [8, 32, 32] and crops["chunks_per_crop"] > 1
     assert crops["read_amplification"] > 1 and crops["compression_ratio"] > 0 and isinstance(crops["advice"], list)
+
+
+def test_an_output_path_that_cannot_be_written_is_a_one_line_error(tmp_path, capsys):
+    """-o naming a folder, or a file under a file: the user's mistake, said in one line (it was an
+    IsADirectoryError or FileExistsError traceback, after the drawing)."""
+    pytest.importorskip("matplotlib")
+    (tmp_path / "telemetry.jsonl").write_text('{"step": 1, "loss": 0.5}\n{"step": 2, "loss": 0.25}\n')
+    (tmp_path / "notes.txt").write_text("a file")
+    for out, words in ((tmp_path, "is a folder"), (tmp_path / "notes.txt" / "t.png", "is not a folder")):
+        assert main(["plot", str(tmp_path), "-o", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert f"cannot write {out}" in err and words in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_bench_refuses_an_unwritable_json_or_plot_path_before_it_runs(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("a file")
+    for flag, out in (("--json", tmp_path / "notes.txt" / "b.json"), ("--plot", tmp_path)):
+        assert main(["bench", "--tiny", "--scenarios", "1", "--peers", "stoker", flag, str(out),
+                     "--data", str(tmp_path / "data")]) == 2
+        err = capsys.readouterr().err
+        assert f"{flag} {out}: cannot write" in err and len(err.strip().splitlines()) == 1, err
+        assert not (tmp_path / "data").exists()  # refused before any data was written or timed

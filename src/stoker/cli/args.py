@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
+from pathlib import Path
 from typing import Any, Callable
 
 #: The suffixes :func:`byte_size` takes: powers of 1024.
@@ -76,3 +78,19 @@ def storage_options(pairs: list[tuple[str, str]] | None) -> dict[str, Any] | Non
                 raise InvalidArgument(f"--storage-option {key}= takes a number", knob="storage_options") from None
         out[key] = value
     return out
+
+
+def unwritable(path: str | os.PathLike) -> str | None:
+    """Why no file can be written at ``path`` (an output flag's value), checked before the work that would
+    fill it; None where it can, as far as can be told without writing (missing folders are made then)."""
+    path = Path(path)
+    if path.is_dir():
+        return "it is a folder; give a file path"
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:  # the folders the write makes
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{parent} is not a folder"
+    if not os.access(parent, os.W_OK):
+        return f"the folder {parent} is not writable"
+    return None

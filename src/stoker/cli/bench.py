@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..demo.volume import cache_dir
 from ..errors import InvalidArgument, MissingDependency
-from .args import at_least_one, byte_size
+from .args import at_least_one, byte_size, unwritable
 
 PEERS = ("stoker", "tensorstore", "zarr", "dataloader", "bound")
 REMOTE_PEERS = ("stoker", "tensorstore", "dataloader")  # --store's default: the decode bound makes no reads
@@ -20,6 +20,10 @@ REMOTE_PEERS = ("stoker", "tensorstore", "dataloader")  # --store's default: the
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):  # refused now, not after the run
+        why = None if path is None else unwritable(path)
+        if why is not None:
+            raise InvalidArgument(f"{flag} {path}: cannot write it: {why}")
     if args.plot is not None:
         from .plots import figure
 

@@ -47,7 +47,12 @@ def figure(width: float, height: float) -> Any:
 
 
 def _save(fig: Any, out: str | os.PathLike) -> Path:
+    from .args import unwritable
+
     path = Path(out)
+    why = unwritable(path)
+    if why is not None:
+        raise InvalidArgument(f"cannot write {path}: {why}")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, format="png")
     return path
