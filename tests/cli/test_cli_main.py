@@ -70,3 +70,24 @@ def test_bench_says_what_to_install_before_it_runs_anything(tmp_path, capsys, mo
     err = capsys.readouterr().err
     assert f"needs {missing}" in err and "pip install 'stoker[bench]'" in err and words in err, err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "data").exists()  # nothing written, nothing run
+
+
+def test_demo_fresh_deletes_only_what_a_demo_run_wrote(tmp_path):
+    """`stoker demo --fresh --run-dir .` in a project folder deleted the whole folder (rmtree, errors
+    ignored): --fresh now removes the checkpoints, telemetry and its picture, and nothing else."""
+    from stoker.demo.run import DemoSettings, _fresh_start
+    from stoker.train import launch
+
+    run = tmp_path / "project"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "step-000000004.pt").write_bytes(b"ckpt")
+    for name in ("telemetry.jsonl", "telemetry.png", "events.out.tfevents.1.host.1.0"):
+        (run / name).write_text("run output")
+    (run / "train.py").write_text("print('my own code')")
+    (run / "data").mkdir()
+    (run / "data" / "volume.zarr").write_text("my own data")
+    settings = DemoSettings(data="unused", run_dir=str(run), steps=1, seconds=None, batch_size=1, accumulate=1,
+                            checkpoint_every=1, resume=False, fresh=True)
+    launch(_fresh_start, settings, nprocs=1, use_cuda=False)
+    assert sorted(p.name for p in run.iterdir()) == ["data", "train.py"]
+    assert (run / "data" / "volume.zarr").read_text() == "my own data"

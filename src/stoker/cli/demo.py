@@ -103,7 +103,9 @@ def add_parser(sub) -> None:
     p.add_argument("--checkpoint-every", type=_positive_int, default=25, help="steps between checkpoints")
     p.add_argument("--log-every", type=_positive_int, default=5, help="steps between telemetry records")
     p.add_argument("--run-dir", default=None, help="checkpoints and telemetry (default: in the stoker cache)")
-    p.add_argument("--fresh", action="store_true", help="delete the run directory and start from step 0")
+    p.add_argument("--fresh", action="store_true",
+                   help="delete the checkpoints and telemetry earlier runs wrote into the run directory (nothing "
+                        "else in it) and start from step 0")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
 
