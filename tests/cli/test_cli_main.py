@@ -91,3 +91,14 @@ def test_demo_fresh_deletes_only_what_a_demo_run_wrote(tmp_path):
     launch(_fresh_start, settings, nprocs=1, use_cuda=False)
     assert sorted(p.name for p in run.iterdir()) == ["data", "train.py"]
     assert (run / "data" / "volume.zarr").read_text() == "my own data"
+
+
+def test_demo_refuses_a_run_dir_that_is_a_file_before_it_starts(tmp_path, capsys, monkeypatch):
+    """--run-dir naming a file trained a step on every rank, then failed writing the checkpoint with a
+    rank's traceback; it is a one-line usage mistake, said before any data is written or rank started."""
+    monkeypatch.setenv("STOKER_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "notes.txt").write_text("a file")
+    assert main(["demo", "--cpu", "--steps", "1", "--no-progress", "--run-dir", str(tmp_path / "notes.txt")]) == 2
+    err = capsys.readouterr().err
+    assert f"--run-dir {tmp_path / 'notes.txt'}" in err and "is not a folder" in err, err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "cache").exists()

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from .args import at_least_one
+from ..errors import InvalidArgument
+from .args import at_least_one, unwritable
 
 DEFAULT_SECONDS = 45.0
 
@@ -34,6 +35,10 @@ def run(args: argparse.Namespace) -> int:
     seconds = args.seconds if args.seconds is not None else (None if args.steps is not None else DEFAULT_SECONDS)
     kind = "records" if args.records else "volume"
     run_dir = Path(args.run_dir) if args.run_dir else cache_dir() / "runs" / f"demo-{kind}"
+    why = unwritable(run_dir / "telemetry.jsonl")  # now, not after every rank trained a step
+    if why is not None:
+        raise InvalidArgument(f"--run-dir {run_dir}: cannot write the run there: {why}; give a folder (made if "
+                              "missing)")
 
     # Data is made here, before any rank starts (under torchrun: by every rank, into a cache that may be
     # shared by several nodes; the writers are write-once: one writes, the others reuse its result).
