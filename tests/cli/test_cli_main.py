@@ -102,3 +102,13 @@ def test_demo_refuses_a_run_dir_that_is_a_file_before_it_starts(tmp_path, capsys
     err = capsys.readouterr().err
     assert f"--run-dir {tmp_path / 'notes.txt'}" in err and "is not a folder" in err, err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize("suite", [[], ["records"]])
+def test_bench_refuses_a_data_dir_that_is_a_file(tmp_path, capsys, suite):
+    """--data naming a file was a FileExistsError traceback from the dataset writer's mkdir."""
+    (tmp_path / "notes.txt").write_text("a file")
+    assert main(["bench", *suite, "--tiny", "--data", str(tmp_path / "notes.txt")]) == 2
+    err = capsys.readouterr().err
+    assert f"--data {tmp_path / 'notes.txt'}" in err and "is not a folder" in err, err
+    assert len(err.strip().splitlines()) == 1

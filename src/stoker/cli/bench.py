@@ -24,6 +24,7 @@ def run(args: argparse.Namespace) -> int:
         why = None if path is None else unwritable(path)
         if why is not None:
             raise InvalidArgument(f"{flag} {path}: cannot write it: {why}")
+    _check_data_dir(args)
     if args.plot is not None:
         from .plots import figure
 
@@ -149,6 +150,14 @@ def run(args: argparse.Namespace) -> int:
     if fields:
         _run_fields(args, fields, peers, root, rounds, records)
     return 0
+
+
+def _check_data_dir(args: argparse.Namespace) -> None:
+    """InvalidArgument when ``--data`` cannot hold the datasets (a file, or a folder not writable)."""
+    why = None if args.data is None else unwritable(args.data / "dataset")
+    if why is not None:
+        raise InvalidArgument(f"--data {args.data}: the datasets cannot be written there: {why}; give a folder "
+                              "(made if missing)")
 
 
 def _check_installed(args: argparse.Namespace, peers: set[str], fields: list[int]) -> None:
@@ -408,6 +417,7 @@ def run_h2d(args: argparse.Namespace) -> int:
     from ..bench.device import cuda_or_exit, pipeline_pinned_bytes, run_h2d as measure
     from ..bench.runner import LOOKAHEAD, host_budget, scenarios
 
+    _check_data_dir(args)
     cuda_or_exit()
     print(measure(), flush=True)
     sc = scenarios()[0]
