@@ -112,3 +112,13 @@ def test_bench_refuses_a_data_dir_that_is_a_file(tmp_path, capsys, suite):
     err = capsys.readouterr().err
     assert f"--data {tmp_path / 'notes.txt'}" in err and "is not a folder" in err, err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_bench_sizes_take_the_same_suffixes():
+    """--cache-bytes took 64M but --host-buffer-bytes, the other size in bytes of the same command, refused
+    it ('takes a whole number'); both take K, M, G, T (powers of 1024) now."""
+    from stoker.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--host-buffer-bytes", "256M", "--cache-bytes", "64M"])
+    assert (args.host_buffer_bytes, args.cache_bytes) == (256 << 20, 64 << 20)
+    assert build_parser().parse_args(["bench", "--host-buffer-bytes", "1048576"]).host_buffer_bytes == 1 << 20

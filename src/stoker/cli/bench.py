@@ -314,8 +314,9 @@ def add_parser(sub) -> None:
                    help="busy consumer: after each batch, every peer's consumer runs this many milliseconds of "
                         "pure Python holding the GIL, as a training step does; 'auto': as long as "
                         "tensorstore's median batch time in the scenario, measured first")
-    p.add_argument("--host-buffer-bytes", type=_positive_int, default=None,
-                   help="stoker's budget (default: per scenario, batch slots + 256 MiB)")
+    p.add_argument("--host-buffer-bytes", type=byte_size, default=None, metavar="SIZE",
+                   help="stoker's budget, e.g. 512M (K, M, G, T: powers of 1024; default: per scenario, batch "
+                        "slots + 256 MiB)")
     p.add_argument("--data", type=lambda s: __import__("pathlib").Path(s), help="dataset directory")
     p.add_argument("--store", choices=("http", "s3"), default=None,
                    help="read every peer's arrays through a loopback server of the data directory: plain HTTP, "
