@@ -140,3 +140,30 @@ def test_inspect_shows_the_element_order_zarr_python_wrote(tmp_path, capsys):
         assert main(["inspect", str(tmp_path / name)]) == 0
         out = capsys.readouterr().out.splitlines()
         assert order_line in out and codecs_line in out, (name, out)
+
+
+def test_inspect_of_a_group_names_the_arrays_in_it(tmp_path, capsys):
+    """The first thing a user tries on a dataset xarray wrote, or an OME-Zarr image, is the group itself:
+    the error said 'name one of its arrays' but not which; it now lists them (as zarr-python finds them)."""
+    xr = pytest.importorskip("xarray")
+    ds = xr.Dataset({"t2m": (("time", "lat"), np.zeros((4, 3), "f4"))},
+                    coords={"time": np.arange(4), "lat": [1.0, 2.0, 3.0]})
+    for fmt in (2, 3):
+        store = tmp_path / f"weather{fmt}.zarr"
+        ds.to_zarr(str(store), zarr_format=fmt, consolidated=fmt == 2)
+        expected = sorted(name for name, _ in zarr.open_group(str(store), mode="r").arrays())
+        assert expected == ["lat", "t2m", "time"]
+        assert main(["inspect", str(store)]) == 2
+        err = capsys.readouterr().err
+        assert "not an array; name one of its arrays: " + ", ".join(f"{store}/{n}" for n in expected) in err, err
+    image = zarr.open_group(str(tmp_path / "image.ome.zarr"), mode="w")
+    for level in ("0", "1"):
+        image.create_array(level, shape=(4, 4), dtype="uint8")
+    labels = image.create_group("labels").create_group("cells")
+    labels.create_array("0", shape=(4, 4), dtype="uint8")
+    assert main(["inspect", str(tmp_path / "image.ome.zarr")]) == 2
+    err = capsys.readouterr().err
+    root = tmp_path / "image.ome.zarr"
+    assert f"name one of its arrays: {root}/0, {root}/1, {root}/labels/cells/0" in err, err
+    assert main(["inspect", str(root), "--storage-option", "region=x"]) == 2  # another mistake: its own message
+    assert capsys.readouterr().err.strip().endswith("drop them for a local path")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from typing import Any
 
 import numpy as np
@@ -66,7 +67,15 @@ def facts(uri: str, sample_shape: tuple[int, ...] | None = None,
     """What ``stoker inspect`` reports, as plain values (``--json`` prints this): the array's layout and,
     given a crop shape, the expected amplification of random crops and advice on chunking. ``options``:
     the storage options of a remote ``uri`` (never reported)."""
-    arr = open_array(uri, options)
+    try:
+        arr = open_array(uri, options)
+    except InvalidArgument as exc:
+        members = _group_arrays(uri) if getattr(exc, "node_type", None) == "group" else []
+        if not members:
+            raise
+        shown = ", ".join(os.path.join(os.fspath(uri), m) for m in members[:_LISTED])
+        more = f" and {len(members) - _LISTED} more" if len(members) > _LISTED else ""
+        raise InvalidArgument(f"{exc}: {shown}{more}", uri=uri) from None
     meta = arr.metadata
     codec = meta.codec
     out: dict[str, Any] = {
@@ -89,6 +98,52 @@ def facts(uri: str, sample_shape: tuple[int, ...] | None = None,
             "advice": list(est.advice),
         }
     return out
+
+
+#: Arrays of a group named in the error of ``stoker inspect GROUP``; the rest are counted.
+_LISTED = 12
+
+
+def _group_arrays(uri: str, depth: int = 3) -> list[str]:
+    """The arrays under the local Zarr group at ``uri`` (v2 or v3), as paths relative to it, sorted, at most
+    ``depth`` levels down (an OME-Zarr image's levels and its labels' levels); [] where ``uri`` is not a
+    local group (a remote one is not listed: plain HTTP cannot)."""
+    root = os.fspath(uri)
+    if "://" in root and not root.startswith("file://"):
+        return []
+    root = root.removeprefix("file://")
+
+    def kind(folder: str) -> str | None:
+        if os.path.isfile(os.path.join(folder, ".zarray")):
+            return "array"
+        if os.path.isfile(os.path.join(folder, ".zgroup")):
+            return "group"
+        try:
+            with open(os.path.join(folder, "zarr.json"), encoding="utf-8") as f:
+                node = json.load(f).get("node_type")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return node if node in ("array", "group") else None
+
+    if not os.path.isdir(root) or kind(root) != "group":
+        return []
+    found: list[str] = []
+
+    def walk(folder: str, rel: str, left: int) -> None:
+        try:
+            names = sorted(e.name for e in os.scandir(folder) if e.is_dir(follow_symlinks=False))
+        except OSError:
+            return
+        for name in names:
+            child, child_rel = os.path.join(folder, name), f"{rel}{name}"
+            node = kind(child)
+            if node == "array":
+                found.append(child_rel)
+            elif node == "group" and left > 1:
+                walk(child, child_rel + "/", left - 1)
+
+    walk(root, "", depth)
+    return found
 
 
 def _order(arr) -> str | list[int]:

@@ -213,7 +213,8 @@ def _v2_as_detected(meta: ArrayMetadata, doc: dict, path: str, uri: str) -> Arra
 
 def _v3(doc: dict, uri: str) -> ArrayMetadata:
     if doc.get("node_type") == "group":
-        raise InvalidArgument(f"{uri} is a Zarr group, not an array; name one of its arrays", uri=uri)
+        raise InvalidArgument(f"{uri} is a Zarr group, not an array; name one of its arrays", uri=uri,
+                              node_type="group")
     fmt = doc.get("zarr_format")
     if fmt != 3 or isinstance(fmt, bool):
         raise MetadataError(f"{uri}: zarr.json has zarr_format {show(fmt)}, expected 3", uri=uri)
@@ -221,7 +222,8 @@ def _v3(doc: dict, uri: str) -> ArrayMetadata:
 
 
 def _v2_group(uri: str) -> InvalidArgument:
-    return InvalidArgument(f"{uri} is a Zarr v2 group, not an array; name one of its arrays", uri=uri)
+    return InvalidArgument(f"{uri} is a Zarr v2 group, not an array; name one of its arrays", uri=uri,
+                           node_type="group")
 
 
 def read_store_metadata(hierarchy: Hierarchy, prefix: str, uri: str) -> ArrayMetadata:
