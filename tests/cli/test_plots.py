@@ -176,3 +176,17 @@ def test_bench_refuses_an_unwritable_json_or_plot_path_before_it_runs(tmp_path, 
         err = capsys.readouterr().err
         assert f"{flag} {out}: cannot write" in err and len(err.strip().splitlines()) == 1, err
         assert not (tmp_path / "data").exists()  # refused before any data was written or timed
+
+
+def test_telemetry_without_a_loss_draws_without_warnings(tmp_path):
+    """A log of samples/s alone (a loader's, or a run that logged no loss yet): the loss panel says so,
+    as the others do, instead of matplotlib's 'No artists with labels found to put in legend' on stderr."""
+    pytest.importorskip("matplotlib")
+    import warnings
+
+    from stoker.cli.plots import plot_telemetry
+
+    (tmp_path / "telemetry.jsonl").write_text('{"step": 1, "samples_per_s": 3.0}\n{"step": 2, "samples_per_s": 4.0}\n')
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _png(plot_telemetry(tmp_path), at_least=1000)

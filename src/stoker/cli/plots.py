@@ -109,7 +109,10 @@ def plot_telemetry(run: str | os.PathLike, out: str | os.PathLike | None = None)
     if losses and min(losses) > 0 and max(losses) / min(losses) > 50:
         loss_ax.set_yscale("log")
     loss_ax.set_ylabel("loss")
-    loss_ax.legend(loc="upper right")
+    if "loss" in series or "eval_loss" in series:
+        loss_ax.legend(loc="upper right")
+    else:  # a legend of no lines is a matplotlib warning on the user's terminal
+        loss_ax.text(0.5, 0.5, "no loss in this log", ha="center", va="center", transform=loss_ax.transAxes)
     if "samples_per_s" in series:
         _line(rate_ax, series["samples_per_s"])
     else:
