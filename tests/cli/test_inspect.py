@@ -167,3 +167,24 @@ def test_inspect_of_a_group_names_the_arrays_in_it(tmp_path, capsys):
     assert f"name one of its arrays: {root}/0, {root}/1, {root}/labels/cells/0" in err, err
     assert main(["inspect", str(root), "--storage-option", "region=x"]) == 2  # another mistake: its own message
     assert capsys.readouterr().err.strip().endswith("drop them for a local path")
+
+
+def test_inspect_asks_each_chunks_size_once(tmp_path, capsys):
+    """The compression ratio draws up to 32 chunks at random; it drew them with repeats, so an array of a
+    few chunks behind HTTP cost 32 HEAD requests of the same few files. Each chunk is asked once."""
+    pytest.importorskip("obstore")
+    from range_server import RangeServer
+
+    z = zarr.create_array(str(tmp_path / "v.zarr"), shape=(64, 64), chunks=(32, 64), dtype="uint16",
+                          compressors=BloscCodec(cname="lz4", shuffle="shuffle"))
+    z[:] = np.arange(64 * 64, dtype="uint16").reshape(64, 64)
+    server = RangeServer(str(tmp_path))
+    try:
+        uri = f"{server.url}/v.zarr"
+        assert main(["inspect", uri, "--sample-shape", "8", "8"]) == 0
+        assert "compression ratio" in capsys.readouterr().out
+        chunks = [p for p in server.paths if "/c/" in p]
+    finally:
+        server.stop()
+    assert sorted(set(chunks)) == ["/v.zarr/c/0/0", "/v.zarr/c/1/0"]
+    assert len(chunks) <= 3, chunks  # each size once, and one blosc header of one of them

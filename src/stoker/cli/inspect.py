@@ -41,15 +41,19 @@ def _stored_size_and_header(arr, index: tuple[int, ...], header: bool) -> tuple[
 
 
 def _blocksize_and_ratio(arr, samples: int = 32) -> tuple[int | None, float | None]:
-    """The blosc block size from one chunk's header, and the compression ratio of up to ``samples`` chunks
-    (from their stored sizes: no chunk is read beyond one blosc header)."""
+    """The blosc block size from one chunk's header, and the compression ratio of up to ``samples`` distinct
+    chunks (from their stored sizes: no chunk is read beyond one blosc header)."""
     meta = arr.metadata
     blocksize = None
     sizes = []
     rng = np.random.default_rng(0)
     grid = meta.grid
+    seen: set[tuple[int, ...]] = set()
     for _ in range(samples * 4):
         index = tuple(int(rng.integers(0, g)) for g in grid)
+        if index in seen:  # each chunk once: a remote store's request each, and one vote in the ratio
+            continue
+        seen.add(index)
         size, head = _stored_size_and_header(arr, index, blocksize is None and meta.codec.partial)
         if size is None:
             continue
