@@ -122,3 +122,15 @@ def test_bench_sizes_take_the_same_suffixes():
     args = build_parser().parse_args(["bench", "--host-buffer-bytes", "256M", "--cache-bytes", "64M"])
     assert (args.host_buffer_bytes, args.cache_bytes) == (256 << 20, 64 << 20)
     assert build_parser().parse_args(["bench", "--host-buffer-bytes", "1048576"]).host_buffer_bytes == 1 << 20
+
+
+@pytest.mark.parametrize("value", ["0", "off", "false", "no"])
+def test_doctor_says_the_compiled_reader_was_turned_off_however_it_was(value):
+    """STOKER_NATIVE=off turns the compiled reader off as STOKER_NATIVE=0 does (native._disabled), but
+    doctor matched "0" alone and told the user it was 'not built (no C compiler at install?)'."""
+    code = ("from stoker.cli.doctor import report; "
+            "print([v for w, v, _ in report() if w == 'compiled reader'][0])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100,
+                          env={**os.environ, "STOKER_NATIVE": value})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"off: STOKER_NATIVE={value}", done.stdout
