@@ -134,3 +134,20 @@ def test_doctor_says_the_compiled_reader_was_turned_off_however_it_was(value):
                           env={**os.environ, "STOKER_NATIVE": value})
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"off: STOKER_NATIVE={value}", done.stdout
+
+
+def test_storage_options_of_the_disk_cache_are_numbers_too():
+    """--storage-option cache_bytes=100000000 reached the store as the string '100000000' and was refused
+    ('must be an integer >= 0, got '100000000''): the disk cache's settings could not be given at all."""
+    from stoker.cli.args import storage_options
+    from stoker.errors import InvalidArgument
+
+    got = storage_options([("cache_dir", "/tmp/c"), ("cache_bytes", "100000000"), ("cache_staleness_s", "5"),
+                           ("retries", "2"), ("region", "eu-west-1")])
+    assert got == {"cache_dir": "/tmp/c", "cache_bytes": 100000000, "cache_staleness_s": 5.0, "retries": 2,
+                   "region": "eu-west-1"}
+    assert type(got["cache_staleness_s"]) is float and type(got["cache_bytes"]) is int
+    with pytest.raises(InvalidArgument, match="retries= takes a whole number"):
+        storage_options([("retries", "1.5")])
+    with pytest.raises(InvalidArgument, match="cache_staleness_s= takes a number"):
+        storage_options([("cache_staleness_s", "soon")])

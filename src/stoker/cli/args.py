@@ -57,13 +57,14 @@ def storage_option(text: str) -> tuple[str, str]:
 
 def storage_options(pairs: list[tuple[str, str]] | None) -> dict[str, Any] | None:
     """The ``storage_options`` of repeated ``--storage-option`` flags (None when none was given): values as
-    obstore takes them from the environment (strings), stoker's settings (``timeout_s``...) as numbers.
+    obstore takes them from the environment (strings), stoker's settings (``timeout_s``...) and the disk
+    cache's bounds (``cache_bytes``, ``cache_staleness_s``) as numbers.
 
     >>> storage_options([("region", "eu-west-1"), ("retries", "2")])
     {'region': 'eu-west-1', 'retries': 2}
     """
     from ..errors import InvalidArgument
-    from ..storage.locate import SETTING_KEYS
+    from ..storage.locate import CACHE_KEYS, SETTING_KEYS
 
     if not pairs:
         return None
@@ -71,11 +72,13 @@ def storage_options(pairs: list[tuple[str, str]] | None) -> dict[str, Any] | Non
     for key, value in pairs:
         if key in out:
             raise InvalidArgument(f"--storage-option {key}= is given twice; give each key once", knob="storage_options")
-        if key in SETTING_KEYS:
+        if key in SETTING_KEYS or (key in CACHE_KEYS and key != "cache_dir"):  # the disk cache's bounds too
+            seconds = key.endswith("_s")
             try:
-                value = float(value) if key.endswith("_s") else int(value)
+                value = float(value) if seconds else int(value)
             except ValueError:
-                raise InvalidArgument(f"--storage-option {key}= takes a number", knob="storage_options") from None
+                raise InvalidArgument(f"--storage-option {key}= takes {'a number' if seconds else 'a whole number'}",
+                                      knob="storage_options") from None
         out[key] = value
     return out
 
