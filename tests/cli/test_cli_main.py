@@ -151,3 +151,15 @@ def test_storage_options_of_the_disk_cache_are_numbers_too():
         storage_options([("retries", "1.5")])
     with pytest.raises(InvalidArgument, match="cache_staleness_s= takes a number"):
         storage_options([("cache_staleness_s", "soon")])
+
+
+@pytest.mark.parametrize("extra, flag", [(["--device", "cuda"], "--device cuda"), (["--scenarios", "1"], "--scenarios"),
+                                         (["--peers", "stoker"], "--peers"), (["--batch-size", "4"], "--batch-size"),
+                                         (["--rounds", "2"], "--rounds"), (["--threads", "2"], "--threads")])
+def test_bench_records_refuses_the_crops_suites_options(tmp_path, capsys, extra, flag):
+    """`stoker bench records --device cuda` ran the records suite on the CPU, the option ignored without a
+    word (as were --scenarios, --peers, --batch-size...): the user read CPU numbers as GPU ones."""
+    assert main(["bench", "records", "--tiny", *extra, "--data", str(tmp_path / "data")]) == 2
+    err = capsys.readouterr().err
+    assert flag in err and "stoker bench records takes" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "data").exists()

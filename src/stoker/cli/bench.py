@@ -15,6 +15,7 @@ from .args import at_least_one, byte_size, unwritable
 
 PEERS = ("stoker", "tensorstore", "zarr", "dataloader", "bound")
 REMOTE_PEERS = ("stoker", "tensorstore", "dataloader")  # --store's default: the decode bound makes no reads
+SLOW_BATCHES = 6  # --slow-batches' default
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,6 +53,10 @@ def run(args: argparse.Namespace) -> int:
     if args.suite == "records":
         if args.json is not None or args.plot is not None:
             raise InvalidArgument("--json and --plot record the crops suite; stoker bench records prints a table")
+        ignored = _crops_only(args)
+        if ignored:
+            raise InvalidArgument(f"{', '.join(ignored)}: stoker bench records takes --tiny, --mesh, --batches and "
+                                  "--data only (the others set up the crops suite); run it without them")
         from ..bench.records import records_for_steady_state
         from ..bench.records import run as run_records
 
@@ -180,6 +185,17 @@ def _check_installed(args: argparse.Namespace, peers: set[str], fields: list[int
                                     extra="bench") from None
 
 
+def _crops_only(args: argparse.Namespace) -> list[str]:
+    """The crops suite's options given to ``stoker bench records``, which would ignore them without a word."""
+    return [flag for flag, given in (("--device cuda", args.device == "cuda"), ("--scenarios", args.scenarios),
+                                     ("--peers", args.peers), ("--rounds", args.rounds), ("--threads", args.threads),
+                                     ("--thread-cpu", args.thread_cpu), ("--batch-size", args.batch_size),
+                                     ("--step-ms", args.step_ms is not None),
+                                     ("--host-buffer-bytes", args.host_buffer_bytes),
+                                     ("--slow-batches", args.slow_batches != SLOW_BATCHES),
+                                     ("--decode-on", args.decode_on != "cpu")) if given]
+
+
 def _fields_refused(args: argparse.Namespace) -> list[str]:
     """The options given that scenarios 11 and 12 do not take."""
     return [flag for flag, value in (("--store", args.store), ("--device cuda", args.device == "cuda"),
@@ -290,8 +306,8 @@ def add_parser(sub) -> None:
     p.add_argument("--peers", type=_peers, help=f"comma-separated subset of {','.join(PEERS)}")
     p.add_argument("--batches", type=_positive_int, default=None,
                    help="timed batches per fast peer (default: per scenario, about a second of stoker)")
-    p.add_argument("--slow-batches", type=_positive_int, default=6,
-                   help="timed batches for the zarr peers (default 6)")
+    p.add_argument("--slow-batches", type=_positive_int, default=SLOW_BATCHES,
+                   help=f"timed batches for the zarr peers (default {SLOW_BATCHES})")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: stoker on the GPU vs stoker on the CPU vs tensorstore + pin_memory().to(cuda), "
                         "bf16 out")
