@@ -151,8 +151,9 @@ def _group_arrays(uri: str, depth: int = 3) -> list[str]:
 
 
 def _order(arr) -> str | list[int]:
-    """How a chunk's elements are laid out, as zarr-python's metadata says it: ``"C"`` or ``"F"`` (a v2
-    ``order``), or a v3 ``transpose`` codec's permutation (the codec list names the codec, as zarr.json does)."""
+    """How a chunk's elements are laid out: ``"C"`` or ``"F"`` (a v2 ``order``; of one dimension, where the
+    two lay out alike, ``"C"``), or a v3 ``transpose`` codec's permutation (the codec list names the codec,
+    as zarr.json does; one that changes nothing, ``"C"``)."""
     order = arr.metadata.codec.order
     if order is None:
         return "C"
