@@ -188,3 +188,16 @@ def test_inspect_asks_each_chunks_size_once(tmp_path, capsys):
         server.stop()
     assert sorted(set(chunks)) == ["/v.zarr/c/0/0", "/v.zarr/c/1/0"]
     assert len(chunks) <= 3, chunks  # each size once, and one blosc header of one of them
+
+
+def test_inspect_of_an_arrays_metadata_file_names_its_folder(tmp_path, capsys):
+    """`stoker inspect a.zarr/zarr.json` (or .zarray), a common first try, said 'neither zarr.json nor
+    .zarray exists' of a path that is zarr.json: it now says to name the array's folder."""
+    zarr.create_array(str(tmp_path / "a.zarr"), shape=(4,), dtype="uint8")
+    zarr.create_array(str(tmp_path / "b.zarr"), shape=(4,), dtype="uint8", zarr_format=2)
+    for path in (tmp_path / "a.zarr" / "zarr.json", tmp_path / "b.zarr" / ".zarray"):
+        assert main(["inspect", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert f"{path} is the array's metadata file: name its folder, {path.parent}" in err, err
+        with pytest.raises(stoker.NotFound, match="name its folder"):
+            stoker.open_array(path)
