@@ -44,3 +44,17 @@ def test_site_index_example_runs(tmp_path, monkeypatch):
     z, x = namespace["z"], namespace["x"]
     assert (namespace["crop"] == z[0:32, 100:228, 7:135]).all()
     assert tuple(x.shape) == (4, 32, 128, 128) and x.dtype == torch.float32
+
+
+def test_every_code_fence_of_the_pages_opens_and_closes_on_its_own_line():
+    """A fence with text after it ("``` A remote URI...") closes nothing in Markdown: the code block ran
+    into the next paragraph, and the command above it was drawn as inline code on one line."""
+    pages = sorted(DOCS.glob("*.md")) + [DOCS.parent / "README.md"]
+    for page in pages:
+        fences = [(n, line.strip()) for n, line in enumerate(page.read_text().splitlines(), 1)
+                  if line.lstrip().startswith("```")]
+        bad = [f"{page.name}:{n}: {line}" for n, line in fences if not re.fullmatch(r"```[\w+-]*", line)]
+        assert bad == [], bad
+        opened = [line for _, line in fences[::2]]
+        closed = [line for _, line in fences[1::2]]
+        assert len(fences) % 2 == 0 and all(c == "```" for c in closed), (page.name, opened, closed)

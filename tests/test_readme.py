@@ -55,3 +55,26 @@ def test_readme_training_example_runs_as_its_own_file(tmp_path, monkeypatch):
     assert done.returncode == 0, done.stderr[-3000:]
     assert sorted(p.name for p in (tmp_path / "runs/readme/ckpt").iterdir()) == ["step-000000005.pt",
                                                                                  "step-000000010.pt"]
+
+
+def test_readme_install_block_names_every_extra():
+    """Each extra of pyproject.toml has its line in the README's Install block (stoker bench's was missing,
+    so a reader could not learn that tensorstore comes with `.[bench]`)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+; the package supports 3.10
+
+    extras = tomllib.loads((README.parent / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    install = README.read_text().split("## Install", 1)[1].split("```", 2)[1]
+    named = set(re.findall(r'pip install -e "\.\[([\w-]+)\]"', install)) | set(re.findall(r'"\.\[([\w-]+)\]"', install))
+    assert sorted(set(extras) - named - {"lint", "docs"}) == [], install  # lint and docs: make lint, make docs
+
+
+def test_readme_errors_section_names_every_error_class():
+    """"All errors derive from stoker.StokerError": the section names each one stoker raises."""
+    import inspect
+
+    import stoker.errors
+
+    text = README.read_text().split("## Errors", 1)[1].split("\n## ", 1)[0]
+    classes = [name for name, obj in vars(stoker.errors).items()
+               if inspect.isclass(obj) and issubclass(obj, stoker.errors.StokerError)]
+    assert [name for name in classes if f"`{name}`" not in text and f"`stoker.{name}`" not in text] == []

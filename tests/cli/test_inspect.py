@@ -102,3 +102,102 @@ def test_inspect_shows_dimensions_coordinates_and_cf(tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "plain.zarr"), "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert (got["dimensions"], got["coordinates"], got["cf"]) == (None, {}, None)
+
+
+@pytest.mark.parametrize("chunks,dtype,shown", [((20, 20), "int16", "(20, 20) (800 bytes decoded)"),
+                                                 ((64, 64), "float32", "(64, 64) (16.0 KiB decoded)"),
+                                                 ((128, 128), "uint16", "(128, 128) (32.0 KiB decoded)"),
+                                                 ((1024, 512), "float32", "(1024, 512) (2.00 MiB decoded)")])
+def test_inspect_says_the_decoded_chunk_size_in_a_unit_that_shows_it(tmp_path, capsys, chunks, dtype, shown):
+    """A chunk of 800 bytes was '0.00 MiB decoded': a new user read that the chunk held nothing."""
+    zarr.create_array(str(tmp_path / "a.zarr"), shape=(2048, 1024), chunks=chunks, dtype=dtype)
+    assert main(["inspect", str(tmp_path / "a.zarr")]) == 0
+    assert f"read chunk   {shown}\n" in capsys.readouterr().out
+
+
+def test_inspect_shows_the_element_order_zarr_python_wrote(tmp_path, capsys):
+    """A v3 ``transpose`` codec and a v2 ``order: F`` change how every chunk is laid out (and what a crop
+    costs to copy); inspect listed neither ('codecs zstd'), unlike zarr-python's metadata."""
+    import json
+
+    from zarr.codecs import TransposeCodec
+
+    t = zarr.create_array(str(tmp_path / "t.zarr"), shape=(4, 6, 8), chunks=(2, 3, 4), dtype="int32",
+                          filters=[TransposeCodec(order=(2, 0, 1))])
+    assert [c.to_dict()["name"] for c in t.metadata.codecs][:2] == ["transpose", "bytes"]
+    f = zarr.create_array(str(tmp_path / "f.zarr"), shape=(4, 6), chunks=(2, 3), dtype="int32", zarr_format=2,
+                          order="F")
+    assert f.metadata.order == "F"
+    zarr.create_array(str(tmp_path / "c.zarr"), shape=(4, 6), chunks=(2, 3), dtype="int32", zarr_format=2)
+    expected = {"t.zarr": ([2, 0, 1], ["transpose", "zstd"], "order        transpose (2, 0, 1)",
+                           "codecs       transpose -> zstd"),
+                "f.zarr": ("F", ["zstd"], "order        F", "codecs       zstd"),
+                "c.zarr": ("C", ["zstd"], "order        C", "codecs       zstd")}
+    for name, (order, codecs, order_line, codecs_line) in expected.items():
+        assert main(["inspect", str(tmp_path / name), "--json"]) == 0
+        got = json.loads(capsys.readouterr().out)
+        assert (got["order"], got["codecs"]) == (order, codecs), name
+        assert main(["inspect", str(tmp_path / name)]) == 0
+        out = capsys.readouterr().out.splitlines()
+        assert order_line in out and codecs_line in out, (name, out)
+
+
+def test_inspect_of_a_group_names_the_arrays_in_it(tmp_path, capsys):
+    """The first thing a user tries on a dataset xarray wrote, or an OME-Zarr image, is the group itself:
+    the error said 'name one of its arrays' but not which; it now lists them (as zarr-python finds them)."""
+    xr = pytest.importorskip("xarray")
+    ds = xr.Dataset({"t2m": (("time", "lat"), np.zeros((4, 3), "f4"))},
+                    coords={"time": np.arange(4), "lat": [1.0, 2.0, 3.0]})
+    for fmt in (2, 3):
+        store = tmp_path / f"weather{fmt}.zarr"
+        ds.to_zarr(str(store), zarr_format=fmt, consolidated=fmt == 2)
+        expected = sorted(name for name, _ in zarr.open_group(str(store), mode="r").arrays())
+        assert expected == ["lat", "t2m", "time"]
+        assert main(["inspect", str(store)]) == 2
+        err = capsys.readouterr().err
+        assert "not an array; name one of its arrays: " + ", ".join(f"{store}/{n}" for n in expected) in err, err
+    image = zarr.open_group(str(tmp_path / "image.ome.zarr"), mode="w")
+    for level in ("0", "1"):
+        image.create_array(level, shape=(4, 4), dtype="uint8")
+    labels = image.create_group("labels").create_group("cells")
+    labels.create_array("0", shape=(4, 4), dtype="uint8")
+    assert main(["inspect", str(tmp_path / "image.ome.zarr")]) == 2
+    err = capsys.readouterr().err
+    root = tmp_path / "image.ome.zarr"
+    assert f"name one of its arrays: {root}/0, {root}/1, {root}/labels/cells/0" in err, err
+    assert main(["inspect", str(root), "--storage-option", "region=x"]) == 2  # another mistake: its own message
+    assert capsys.readouterr().err.strip().endswith("drop them for a local path")
+
+
+def test_inspect_asks_each_chunks_size_once(tmp_path, capsys):
+    """The compression ratio draws up to 32 chunks at random; it drew them with repeats, so an array of a
+    few chunks behind HTTP cost 32 HEAD requests of the same few files. Each chunk is asked once."""
+    pytest.importorskip("obstore")
+    from range_server import RangeServer
+
+    z = zarr.create_array(str(tmp_path / "v.zarr"), shape=(64, 64), chunks=(32, 64), dtype="uint16",
+                          compressors=BloscCodec(cname="lz4", shuffle="shuffle"))
+    z[:] = np.arange(64 * 64, dtype="uint16").reshape(64, 64)
+    server = RangeServer(str(tmp_path))
+    try:
+        uri = f"{server.url}/v.zarr"
+        assert main(["inspect", uri, "--sample-shape", "8", "8"]) == 0
+        assert "compression ratio" in capsys.readouterr().out
+        chunks = [p for p in server.paths if "/c/" in p]
+    finally:
+        server.stop()
+    assert sorted(set(chunks)) == ["/v.zarr/c/0/0", "/v.zarr/c/1/0"]
+    assert len(chunks) <= 3, chunks  # each size once, and one blosc header of one of them
+
+
+def test_inspect_of_an_arrays_metadata_file_names_its_folder(tmp_path, capsys):
+    """`stoker inspect a.zarr/zarr.json` (or .zarray), a common first try, said 'neither zarr.json nor
+    .zarray exists' of a path that is zarr.json: it now says to name the array's folder."""
+    zarr.create_array(str(tmp_path / "a.zarr"), shape=(4,), dtype="uint8")
+    zarr.create_array(str(tmp_path / "b.zarr"), shape=(4,), dtype="uint8", zarr_format=2)
+    for path in (tmp_path / "a.zarr" / "zarr.json", tmp_path / "b.zarr" / ".zarray"):
+        assert main(["inspect", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert f"{path} is the array's metadata file: name its folder, {path.parent}" in err, err
+        with pytest.raises(stoker.NotFound, match="name its folder"):
+            stoker.open_array(path)

@@ -74,6 +74,31 @@ def test_plot_mistakes_are_one_line_and_status_2(tmp_path, capsys):
     assert f"no bench results at {missing} (write them with stoker bench --json FILE)" in capsys.readouterr().err
 
 
+def test_telemetry_with_bytes_that_are_not_text_skips_those_lines(tmp_path, capsys):
+    """A line of telemetry that is not UTF-8 (a disk's garbage after a crash, or not a telemetry file at all)
+    is a line that does not parse: skipped, as read_telemetry says, never a UnicodeDecodeError."""
+    from stoker.cli.plots import read_telemetry
+
+    log = tmp_path / "telemetry.jsonl"
+    log.write_bytes(b'{"step": 1, "loss": 0.5}\n\xe9\xff\x00garbage\n{"step": 2, "loss": 0.25}\n')
+    assert read_telemetry(tmp_path) == {"loss": {1: 0.5, 2: 0.25}}
+    log.write_bytes(bytes(range(256)) * 4)
+    assert main(["plot", str(tmp_path)]) == 2
+    assert "holds no telemetry records" in capsys.readouterr().err
+
+
+def test_bench_json_without_a_peers_numbers_is_a_one_line_error(tmp_path, capsys):
+    """JSON with a 'scenarios' list whose peers lack what stoker bench --json writes (a hand edit, another
+    tool's file): the error names what is missing, not a KeyError traceback."""
+    bad = tmp_path / "bench.json"
+    for peer, missing in (({"peer": "x"}, "samples_per_s"), ({"samples_per_s": 3.0}, "peer"),
+                          ({"peer": "x", "samples_per_s": None}, "samples_per_s"), ("x", "peer")):
+        bad.write_text(json.dumps({"scenarios": [{"number": 4, "peers": [peer]}]}))
+        assert main(["plot", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert "not the JSON stoker bench --json writes" in err and missing in err and "scenario 4" in err, err
+
+
 def test_without_matplotlib_the_error_is_typed_and_one_line(tmp_path):
     # a process where matplotlib cannot be imported (whether or not it is installed here)
     code = ("import sys; sys.modules['matplotlib'] = None; from stoker.cli import main; "
@@ -129,3 +154,39 @@ def test_inspect_json_holds_the_layout_and_the_estimate(tmp_path, capsys):
     crops = json.loads(capsys.readouterr().out)["crops"]
     assert crops["sample_shape"] == [8, 32, 32] and crops["chunks_per_crop"] > 1
     assert crops["read_amplification"] > 1 and crops["compression_ratio"] > 0 and isinstance(crops["advice"], list)
+
+
+def test_an_output_path_that_cannot_be_written_is_a_one_line_error(tmp_path, capsys):
+    """-o naming a folder, or a file under a file: the user's mistake, said in one line (it was an
+    IsADirectoryError or FileExistsError traceback, after the drawing)."""
+    pytest.importorskip("matplotlib")
+    (tmp_path / "telemetry.jsonl").write_text('{"step": 1, "loss": 0.5}\n{"step": 2, "loss": 0.25}\n')
+    (tmp_path / "notes.txt").write_text("a file")
+    for out, words in ((tmp_path, "is a folder"), (tmp_path / "notes.txt" / "t.png", "is not a folder")):
+        assert main(["plot", str(tmp_path), "-o", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert f"cannot write {out}" in err and words in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_bench_refuses_an_unwritable_json_or_plot_path_before_it_runs(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("a file")
+    for flag, out in (("--json", tmp_path / "notes.txt" / "b.json"), ("--plot", tmp_path)):
+        assert main(["bench", "--tiny", "--scenarios", "1", "--peers", "stoker", flag, str(out),
+                     "--data", str(tmp_path / "data")]) == 2
+        err = capsys.readouterr().err
+        assert f"{flag} {out}: cannot write" in err and len(err.strip().splitlines()) == 1, err
+        assert not (tmp_path / "data").exists()  # refused before any data was written or timed
+
+
+def test_telemetry_without_a_loss_draws_without_warnings(tmp_path):
+    """A log of samples/s alone (a loader's, or a run that logged no loss yet): the loss panel says so,
+    as the others do, instead of matplotlib's 'No artists with labels found to put in legend' on stderr."""
+    pytest.importorskip("matplotlib")
+    import warnings
+
+    from stoker.cli.plots import plot_telemetry
+
+    (tmp_path / "telemetry.jsonl").write_text('{"step": 1, "samples_per_s": 3.0}\n{"step": 2, "samples_per_s": 4.0}\n')
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _png(plot_telemetry(tmp_path), at_least=1000)

@@ -750,6 +750,23 @@ def test_fit_says_where_it_starts_and_when_there_is_nothing_to_do(tmp_path, caps
     assert "raise steps to train further" in out
 
 
+def test_fit_with_no_time_limit_shows_progress_by_step(capsys):
+    """seconds=inf (stoker demo --seconds inf) is no time limit, as checks.seconds allows: the progress bar
+    counts steps (it once drew a bar of an infinite number of seconds, and tqdm's format failed)."""
+
+    class Stop(Exception):
+        pass
+
+    class ThreeThenStop:  # the data a user stops: three batches, then the interruption
+        def __iter__(self):
+            yield from jobs.global_batches(3, 4)
+            raise Stop
+
+    with pytest.raises(Stop):
+        _trainer(progress=True).fit(ThreeThenStop(), seconds=math.inf, resume=None)
+    assert "3step" in capsys.readouterr().err.replace(" ", "")
+
+
 @pytest.mark.timeout(120)
 def test_ddp_ranks_skip_a_nonfinite_step_together_and_reduce_the_eval_loss():
     out = st.launch(jobs.nonfinite_on_rank1_and_eval, nprocs=2, use_cuda=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .. import __version__
@@ -10,6 +11,8 @@ from ..errors import StokerError
 
 #: Exit status of a command that stopped on a StokerError (argparse uses 2 for usage errors too).
 EXIT_ERROR = 2
+#: Exit status when the reader of stdout went away (``stoker doctor | head -1``): a shell's for SIGPIPE.
+EXIT_BROKEN_PIPE = 128 + 13
 
 
 class _Parser(argparse.ArgumentParser):
@@ -36,10 +39,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # the reader of our output left (| head): nothing to say, and no one to say it to
+        _drop_stdout()
+        return EXIT_BROKEN_PIPE
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's flush at exit finds no closed pipe to complain about."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # a stdout without a file descriptor (a test's capture)
+        pass
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.run(args) or 0)
+        status = int(args.run(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, inside main, not in the interpreter's flush at exit
+        return status
     except StokerError as exc:  # a typed error says what to change: its message, not a traceback
         print(f"stoker {args.command}: {exc}", file=sys.stderr)
         return EXIT_ERROR

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
+from pathlib import Path
 from typing import Any, Callable
 
 #: The suffixes :func:`byte_size` takes: powers of 1024.
@@ -55,13 +57,14 @@ def storage_option(text: str) -> tuple[str, str]:
 
 def storage_options(pairs: list[tuple[str, str]] | None) -> dict[str, Any] | None:
     """The ``storage_options`` of repeated ``--storage-option`` flags (None when none was given): values as
-    obstore takes them from the environment (strings), stoker's settings (``timeout_s``...) as numbers.
+    obstore takes them from the environment (strings), stoker's settings (``timeout_s``...) and the disk
+    cache's bounds (``cache_bytes``, ``cache_staleness_s``) as numbers.
 
     >>> storage_options([("region", "eu-west-1"), ("retries", "2")])
     {'region': 'eu-west-1', 'retries': 2}
     """
     from ..errors import InvalidArgument
-    from ..storage.locate import SETTING_KEYS
+    from ..storage.locate import CACHE_KEYS, SETTING_KEYS
 
     if not pairs:
         return None
@@ -69,10 +72,28 @@ def storage_options(pairs: list[tuple[str, str]] | None) -> dict[str, Any] | Non
     for key, value in pairs:
         if key in out:
             raise InvalidArgument(f"--storage-option {key}= is given twice; give each key once", knob="storage_options")
-        if key in SETTING_KEYS:
+        if key in SETTING_KEYS or (key in CACHE_KEYS and key != "cache_dir"):  # the disk cache's bounds too
+            seconds = key.endswith("_s")
             try:
-                value = float(value) if key.endswith("_s") else int(value)
+                value = float(value) if seconds else int(value)
             except ValueError:
-                raise InvalidArgument(f"--storage-option {key}= takes a number", knob="storage_options") from None
+                raise InvalidArgument(f"--storage-option {key}= takes {'a number' if seconds else 'a whole number'}",
+                                      knob="storage_options") from None
         out[key] = value
     return out
+
+
+def unwritable(path: str | os.PathLike) -> str | None:
+    """Why no file can be written at ``path`` (an output flag's value), checked before the work that would
+    fill it; None where it can, as far as can be told without writing (missing folders are made then)."""
+    path = Path(path)
+    if path.is_dir():
+        return "it is a folder; give a file path"
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:  # the folders the write makes
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{parent} is not a folder"
+    if not os.access(parent, os.W_OK):
+        return f"the folder {parent} is not writable"
+    return None

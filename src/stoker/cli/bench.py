@@ -4,21 +4,28 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import platform
 from pathlib import Path
 
 from ..demo.volume import cache_dir
-from ..errors import InvalidArgument
-from .args import at_least_one, byte_size
+from ..errors import InvalidArgument, MissingDependency
+from .args import at_least_one, byte_size, unwritable
 
 PEERS = ("stoker", "tensorstore", "zarr", "dataloader", "bound")
 REMOTE_PEERS = ("stoker", "tensorstore", "dataloader")  # --store's default: the decode bound makes no reads
+SLOW_BATCHES = 6  # --slow-batches' default
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):  # refused now, not after the run
+        why = None if path is None else unwritable(path)
+        if why is not None:
+            raise InvalidArgument(f"{flag} {path}: cannot write it: {why}")
+    _check_data_dir(args)
     if args.plot is not None:
         from .plots import figure
 
@@ -46,6 +53,10 @@ def run(args: argparse.Namespace) -> int:
     if args.suite == "records":
         if args.json is not None or args.plot is not None:
             raise InvalidArgument("--json and --plot record the crops suite; stoker bench records prints a table")
+        ignored = _crops_only(args)
+        if ignored:
+            raise InvalidArgument(f"{', '.join(ignored)}: stoker bench records takes --tiny, --mesh, --batches and "
+                                  "--data only (the others set up the crops suite); run it without them")
         from ..bench.records import records_for_steady_state
         from ..bench.records import run as run_records
 
@@ -89,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
         _check_fields_args(args, fields, named=bool(args.scenarios))
         fields = fields if args.scenarios or not _fields_refused(args) else []
     peers = set(args.peers) if args.peers else set(PEERS if args.store is None else REMOTE_PEERS)
+    _check_installed(args, peers, fields)
     root = args.data or cache_dir() / "bench"
     if args.decode_on in ("gpu", "hybrid") and args.device != "cuda":
         raise InvalidArgument(f"--decode-on {args.decode_on} decodes on the GPU: run it with --device cuda")
@@ -143,6 +155,45 @@ def run(args: argparse.Namespace) -> int:
     if fields:
         _run_fields(args, fields, peers, root, rounds, records)
     return 0
+
+
+def _check_data_dir(args: argparse.Namespace) -> None:
+    """InvalidArgument when ``--data`` cannot hold the datasets (a file, or a folder not writable)."""
+    why = None if args.data is None else unwritable(args.data / "dataset")
+    if why is not None:
+        raise InvalidArgument(f"--data {args.data}: the datasets cannot be written there: {why}; give a folder "
+                              "(made if missing)")
+
+
+def _check_installed(args: argparse.Namespace, peers: set[str], fields: list[int]) -> None:
+    """MissingDependency, before anything is written or timed, for a package that the chosen peers and
+    scenarios import and that is not installed (the bench extra's): a full run would stop in it minutes in."""
+    needs = []
+    if "tensorstore" in peers or args.device == "cuda":  # --device cuda always times tensorstore + pin_memory
+        others = ",".join(p for p in PEERS if p in peers and p != "tensorstore")
+        needs.append(("tensorstore", "the tensorstore peer" + (f"; or leave it out: --peers {others}" if others
+                                                               and args.device != "cuda" else "")))
+    if 12 in fields:
+        needs.append(("xarray", "scenario 12 (forecasting from an xarray store); or leave it out with --scenarios"))
+    for package, what in needs:
+        try:
+            importlib.import_module(package)
+        except ImportError:
+            cause, _, rest = what.partition(";")
+            raise MissingDependency(f"{cause} needs {package}, which is not installed: pip install 'stoker[bench]' "
+                                    f"(or {package}){';' + rest if rest else ''}", package=package,
+                                    extra="bench") from None
+
+
+def _crops_only(args: argparse.Namespace) -> list[str]:
+    """The crops suite's options given to ``stoker bench records``, which would ignore them without a word."""
+    return [flag for flag, given in (("--device cuda", args.device == "cuda"), ("--scenarios", args.scenarios),
+                                     ("--peers", args.peers), ("--rounds", args.rounds), ("--threads", args.threads),
+                                     ("--thread-cpu", args.thread_cpu), ("--batch-size", args.batch_size),
+                                     ("--step-ms", args.step_ms is not None),
+                                     ("--host-buffer-bytes", args.host_buffer_bytes),
+                                     ("--slow-batches", args.slow_batches != SLOW_BATCHES),
+                                     ("--decode-on", args.decode_on != "cpu")) if given]
 
 
 def _fields_refused(args: argparse.Namespace) -> list[str]:
@@ -255,8 +306,8 @@ def add_parser(sub) -> None:
     p.add_argument("--peers", type=_peers, help=f"comma-separated subset of {','.join(PEERS)}")
     p.add_argument("--batches", type=_positive_int, default=None,
                    help="timed batches per fast peer (default: per scenario, about a second of stoker)")
-    p.add_argument("--slow-batches", type=_positive_int, default=6,
-                   help="timed batches for the zarr peers (default 6)")
+    p.add_argument("--slow-batches", type=_positive_int, default=SLOW_BATCHES,
+                   help=f"timed batches for the zarr peers (default {SLOW_BATCHES})")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: stoker on the GPU vs stoker on the CPU vs tensorstore + pin_memory().to(cuda), "
                         "bf16 out")
@@ -279,8 +330,9 @@ def add_parser(sub) -> None:
                    help="busy consumer: after each batch, every peer's consumer runs this many milliseconds of "
                         "pure Python holding the GIL, as a training step does; 'auto': as long as "
                         "tensorstore's median batch time in the scenario, measured first")
-    p.add_argument("--host-buffer-bytes", type=_positive_int, default=None,
-                   help="stoker's budget (default: per scenario, batch slots + 256 MiB)")
+    p.add_argument("--host-buffer-bytes", type=byte_size, default=None, metavar="SIZE",
+                   help="stoker's budget, e.g. 512M (K, M, G, T: powers of 1024; default: per scenario, batch "
+                        "slots + 256 MiB)")
     p.add_argument("--data", type=lambda s: __import__("pathlib").Path(s), help="dataset directory")
     p.add_argument("--store", choices=("http", "s3"), default=None,
                    help="read every peer's arrays through a loopback server of the data directory: plain HTTP, "
@@ -382,6 +434,7 @@ def run_h2d(args: argparse.Namespace) -> int:
     from ..bench.device import cuda_or_exit, pipeline_pinned_bytes, run_h2d as measure
     from ..bench.runner import LOOKAHEAD, host_budget, scenarios
 
+    _check_data_dir(args)
     cuda_or_exit()
     print(measure(), flush=True)
     sc = scenarios()[0]

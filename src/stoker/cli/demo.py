@@ -15,6 +15,9 @@ from pathlib import Path
 
 import torch
 
+from ..errors import InvalidArgument
+from .args import at_least_one, unwritable
+
 DEFAULT_SECONDS = 45.0
 
 
@@ -32,6 +35,10 @@ def run(args: argparse.Namespace) -> int:
     seconds = args.seconds if args.seconds is not None else (None if args.steps is not None else DEFAULT_SECONDS)
     kind = "records" if args.records else "volume"
     run_dir = Path(args.run_dir) if args.run_dir else cache_dir() / "runs" / f"demo-{kind}"
+    why = unwritable(run_dir / "telemetry.jsonl")  # now, not after every rank trained a step
+    if why is not None:
+        raise InvalidArgument(f"--run-dir {run_dir}: cannot write the run there: {why}; give a folder (made if "
+                              "missing)")
 
     # Data is made here, before any rank starts (under torchrun: by every rank, into a cache that may be
     # shared by several nodes; the writers are write-once: one writes, the others reuse its result).
@@ -92,7 +99,7 @@ def add_parser(sub) -> None:
     p.add_argument("--records", action="store_true", help="point clouds on a record dataset instead of volume crops")
     p.add_argument("--steps", type=_positive_int, default=None,
                    help="train until this optimizer step (counting resumed steps); no time limit unless --seconds")
-    p.add_argument("--seconds", type=_positive_float, default=None,
+    p.add_argument("--seconds", type=_seconds, default=None,
                    help=f"train for this long in this run (default {DEFAULT_SECONDS:.0f} when --steps is not given)")
     p.add_argument("--nprocs", type=_positive_int, default=None, help="ranks (default: GPUs, or 2 CPU processes)")
     p.add_argument("--cpu", action="store_true", help="CPU ranks even when GPUs are present")
@@ -101,20 +108,22 @@ def add_parser(sub) -> None:
     p.add_argument("--checkpoint-every", type=_positive_int, default=25, help="steps between checkpoints")
     p.add_argument("--log-every", type=_positive_int, default=5, help="steps between telemetry records")
     p.add_argument("--run-dir", default=None, help="checkpoints and telemetry (default: in the stoker cache)")
-    p.add_argument("--fresh", action="store_true", help="delete the run directory and start from step 0")
+    p.add_argument("--fresh", action="store_true",
+                   help="delete the checkpoints and telemetry earlier runs wrote into the run directory (nothing "
+                        "else in it) and start from step 0")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
-    return value
+_positive_int = at_least_one("a whole number")
 
 
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+def _seconds(text: str) -> float:
+    """``--seconds``: a number above 0 (``inf``: no time limit, the progress bar then counts steps)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"takes seconds (a number above 0), got {text!r}")
     return value

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from typing import Any
 
 import numpy as np
@@ -40,15 +41,19 @@ def _stored_size_and_header(arr, index: tuple[int, ...], header: bool) -> tuple[
 
 
 def _blocksize_and_ratio(arr, samples: int = 32) -> tuple[int | None, float | None]:
-    """The blosc block size from one chunk's header, and the compression ratio of up to ``samples`` chunks
-    (from their stored sizes: no chunk is read beyond one blosc header)."""
+    """The blosc block size from one chunk's header, and the compression ratio of up to ``samples`` distinct
+    chunks (from their stored sizes: no chunk is read beyond one blosc header)."""
     meta = arr.metadata
     blocksize = None
     sizes = []
     rng = np.random.default_rng(0)
     grid = meta.grid
+    seen: set[tuple[int, ...]] = set()
     for _ in range(samples * 4):
         index = tuple(int(rng.integers(0, g)) for g in grid)
+        if index in seen:  # each chunk once: a remote store's request each, and one vote in the ratio
+            continue
+        seen.add(index)
         size, head = _stored_size_and_header(arr, index, blocksize is None and meta.codec.partial)
         if size is None:
             continue
@@ -66,13 +71,22 @@ def facts(uri: str, sample_shape: tuple[int, ...] | None = None,
     """What ``stoker inspect`` reports, as plain values (``--json`` prints this): the array's layout and,
     given a crop shape, the expected amplification of random crops and advice on chunking. ``options``:
     the storage options of a remote ``uri`` (never reported)."""
-    arr = open_array(uri, options)
+    try:
+        arr = open_array(uri, options)
+    except InvalidArgument as exc:
+        members = _group_arrays(uri) if getattr(exc, "node_type", None) == "group" else []
+        if not members:
+            raise
+        shown = ", ".join(os.path.join(os.fspath(uri), m) for m in members[:_LISTED])
+        more = f" and {len(members) - _LISTED} more" if len(members) > _LISTED else ""
+        raise InvalidArgument(f"{exc}: {shown}{more}", uri=uri) from None
     meta = arr.metadata
     codec = meta.codec
     out: dict[str, Any] = {
         "uri": arr.uri, "zarr_format": arr.zarr_format, "shape": list(arr.shape), "dtype": str(arr.dtype),
         "stored_dtype": codec.stored_dtype.str, "chunks": list(arr.chunks), "chunk_bytes": codec.nbytes,
-        "shards": list(arr.shards) if arr.shards else None, "codecs": list(codec.names),
+        "shards": list(arr.shards) if arr.shards else None, "order": _order(arr),
+        "codecs": (["transpose"] if arr.zarr_format == 3 and codec.order is not None else []) + list(codec.names),
         "fill_value": _plain(arr.fill_value),
     }
     out.update(_named(arr, options))
@@ -88,6 +102,62 @@ def facts(uri: str, sample_shape: tuple[int, ...] | None = None,
             "advice": list(est.advice),
         }
     return out
+
+
+#: Arrays of a group named in the error of ``stoker inspect GROUP``; the rest are counted.
+_LISTED = 12
+
+
+def _group_arrays(uri: str, depth: int = 3) -> list[str]:
+    """The arrays under the local Zarr group at ``uri`` (v2 or v3), as paths relative to it, sorted, at most
+    ``depth`` levels down (an OME-Zarr image's levels and its labels' levels); [] where ``uri`` is not a
+    local group (a remote one is not listed: plain HTTP cannot)."""
+    root = os.fspath(uri)
+    if "://" in root and not root.startswith("file://"):
+        return []
+    root = root.removeprefix("file://")
+
+    def kind(folder: str) -> str | None:
+        if os.path.isfile(os.path.join(folder, ".zarray")):
+            return "array"
+        if os.path.isfile(os.path.join(folder, ".zgroup")):
+            return "group"
+        try:
+            with open(os.path.join(folder, "zarr.json"), encoding="utf-8") as f:
+                node = json.load(f).get("node_type")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return node if node in ("array", "group") else None
+
+    if not os.path.isdir(root) or kind(root) != "group":
+        return []
+    found: list[str] = []
+
+    def walk(folder: str, rel: str, left: int) -> None:
+        try:
+            names = sorted(e.name for e in os.scandir(folder) if e.is_dir(follow_symlinks=False))
+        except OSError:
+            return
+        for name in names:
+            child, child_rel = os.path.join(folder, name), f"{rel}{name}"
+            node = kind(child)
+            if node == "array":
+                found.append(child_rel)
+            elif node == "group" and left > 1:
+                walk(child, child_rel + "/", left - 1)
+
+    walk(root, "", depth)
+    return found
+
+
+def _order(arr) -> str | list[int]:
+    """How a chunk's elements are laid out: ``"C"`` or ``"F"`` (a v2 ``order``; of one dimension, where the
+    two lay out alike, ``"C"``), or a v3 ``transpose`` codec's permutation (the codec list names the codec,
+    as zarr.json does; one that changes nothing, ``"C"``)."""
+    order = arr.metadata.codec.order
+    if order is None:
+        return "C"
+    return "F" if arr.zarr_format == 2 else list(order)
 
 
 def _named(arr, options: dict[str, Any] | None) -> dict[str, Any]:
@@ -125,6 +195,17 @@ def _plain(value: Any) -> Any:
     return value if isinstance(value, (int, float, str, bool, type(None))) else repr(value)
 
 
+def _bytes(n: int) -> str:
+    """``n`` bytes in the unit that shows them (an 800-byte chunk is not "0.00 MiB").
+
+    >>> _bytes(800), _bytes(16384), _bytes(3 << 20)
+    ('800 bytes', '16.0 KiB', '3.00 MiB')
+    """
+    if n < 1 << 10:
+        return f"{n} bytes"
+    return f"{n / 2**10:.1f} KiB" if n < 1 << 20 else f"{n / 2**20:.2f} MiB"
+
+
 def describe(uri: str, sample_shape: tuple[int, ...] | None = None, options: dict[str, Any] | None = None) -> str:
     f = facts(uri, sample_shape, options)
     arr_shape = tuple(f["shape"])
@@ -133,8 +214,9 @@ def describe(uri: str, sample_shape: tuple[int, ...] | None = None, options: dic
         f"format       zarr v{f['zarr_format']}",
         f"shape        {arr_shape}",
         f"dtype        {f['dtype']} (stored {f['stored_dtype']})",
-        f"read chunk   {tuple(f['chunks'])} ({f['chunk_bytes'] / 2**20:.2f} MiB decoded)",
+        f"read chunk   {tuple(f['chunks'])} ({_bytes(f['chunk_bytes'])} decoded)",
         f"shard        {tuple(f['shards'])}" if f["shards"] else "shard        none",
+        f"order        {f['order']}" if isinstance(f["order"], str) else f"order        transpose {tuple(f['order'])}",
         f"codecs       {' -> '.join(f['codecs']) or 'none'}",
         f"fill value   {f['fill_value']}",
     ]

@@ -47,7 +47,12 @@ def figure(width: float, height: float) -> Any:
 
 
 def _save(fig: Any, out: str | os.PathLike) -> Path:
+    from .args import unwritable
+
     path = Path(out)
+    why = unwritable(path)
+    if why is not None:
+        raise InvalidArgument(f"cannot write {path}: {why}")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, format="png")
     return path
@@ -60,7 +65,7 @@ def read_telemetry(run: str | os.PathLike) -> dict[str, dict[int, float]]:
     """Each metric of a run's ``telemetry.jsonl`` (``run`` is the file or its folder) as ``{step: value}``.
 
     A step logged twice (a killed run, then its resumption) keeps its last value; null (a NaN loss) is left
-    out; a line that does not parse (cut short by a full disk) is skipped."""
+    out; a line that does not parse (cut short by a full disk, or bytes that are not text) is skipped."""
     path = Path(run)
     if path.is_dir():
         path = path / TELEMETRY
@@ -68,7 +73,7 @@ def read_telemetry(run: str | os.PathLike) -> dict[str, dict[int, float]]:
         raise NotFound(f"no telemetry at {path}: give a run folder holding {TELEMETRY} (the Trainer's "
                        "telemetry_dir) or the file itself", uri=str(path))
     series: dict[str, dict[int, float]] = {}
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", errors="replace") as f:  # a line not UTF-8 then fails json.loads: skipped
         for line in f:
             try:
                 record = json.loads(line)
@@ -104,7 +109,10 @@ def plot_telemetry(run: str | os.PathLike, out: str | os.PathLike | None = None)
     if losses and min(losses) > 0 and max(losses) / min(losses) > 50:
         loss_ax.set_yscale("log")
     loss_ax.set_ylabel("loss")
-    loss_ax.legend(loc="upper right")
+    if "loss" in series or "eval_loss" in series:
+        loss_ax.legend(loc="upper right")
+    else:  # a legend of no lines is a matplotlib warning on the user's terminal
+        loss_ax.text(0.5, 0.5, "no loss in this log", ha="center", va="center", transform=loss_ax.transAxes)
     if "samples_per_s" in series:
         _line(rate_ax, series["samples_per_s"])
     else:
@@ -135,7 +143,32 @@ def _bench_doc(bench: Mapping[str, Any] | str | os.PathLike) -> Mapping[str, Any
         raise InvalidArgument(f"{path} is not the JSON stoker bench --json writes: {exc}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("scenarios"), list):
         raise InvalidArgument(f"{path} is not the JSON stoker bench --json writes (no 'scenarios' list)")
+    for sc in doc["scenarios"]:
+        _check_scenario(sc, path)
     return doc
+
+
+def _check_scenario(sc: Any, path: Path) -> None:
+    """InvalidArgument naming the first thing :func:`plot_bench` draws that scenario ``sc`` lacks: each peer's
+    name and samples/s (a number), its rounds (numbers) where given."""
+    def wrong(what: str) -> InvalidArgument:
+        where = f"scenario {sc.get('number', '?')}" if isinstance(sc, dict) else "a scenario"
+        return InvalidArgument(f"{path} is not the JSON stoker bench --json writes: {where} {what}")
+
+    if not isinstance(sc, dict) or not isinstance(sc.get("peers", []), list):
+        raise wrong("is not an object with a 'peers' list")
+    for peer in sc.get("peers", []):
+        if not isinstance(peer, dict) or not isinstance(peer.get("peer"), str):
+            raise wrong("has a peer without its name ('peer')")
+        if not _real(peer.get("samples_per_s")):
+            raise wrong(f"peer {peer['peer']!r} has no number 'samples_per_s'")
+        rounds = peer.get("rounds")
+        if rounds is not None and not (isinstance(rounds, list) and all(_real(r) for r in rounds)):
+            raise wrong(f"peer {peer['peer']!r} has 'rounds' that are not a list of numbers")
+
+
+def _real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def plot_bench(bench: Mapping[str, Any] | str | os.PathLike, out: str | os.PathLike) -> Path:

@@ -37,7 +37,7 @@ class DemoSettings:
     progress: bool = True
     log_every: int = 5
     seed: int = 0
-    fresh: bool = False  # delete run_dir first (rank 0, while the others wait)
+    fresh: bool = False  # delete what earlier runs wrote into run_dir first (rank 0, while the others wait)
 
 
 def _amp(ctx: RankContext) -> str | None:
@@ -45,11 +45,23 @@ def _amp(ctx: RankContext) -> str | None:
     return "bf16" if ctx.device.type == "cuda" else None
 
 
+#: What a demo run writes into its run folder: checkpoints, the telemetry (and its TensorBoard scalars) and the
+#: picture of it. ``--fresh`` deletes these and nothing else: the folder may be one of the user's own.
+RUN_OUTPUTS = ("checkpoints", "telemetry.jsonl", "telemetry.png", "events.out.tfevents.*")
+
+
 def _fresh_start(ctx: RankContext, s: DemoSettings) -> None:
-    """``--fresh``: rank 0 deletes the run folder (shared by every rank and node) before anyone uses it."""
+    """``--fresh``: rank 0 deletes what earlier runs wrote into the run folder (shared by every rank and
+    node) before anyone uses it; never the folder's other files (``--run-dir .`` in a project once deleted
+    the project)."""
     if s.fresh:
         if ctx.is_main:
-            shutil.rmtree(s.run_dir, ignore_errors=True)
+            for pattern in RUN_OUTPUTS:
+                for path in Path(s.run_dir).glob(pattern):
+                    if path.is_dir() and not path.is_symlink():
+                        shutil.rmtree(path)
+                    else:
+                        path.unlink(missing_ok=True)
         ctx.barrier()
 
 

@@ -196,7 +196,20 @@ def read_metadata(path: str, store: LocalStore, uri: str | None = None) -> Array
         return meta
     if store.size(os.path.join(path, ".zgroup")) is not None:
         raise _v2_group(uri)
-    raise NotFound(f"no Zarr array at {uri} (neither zarr.json nor .zarray exists)", uri=uri)
+    raise _no_array(uri)
+
+
+#: The metadata documents a user may name in place of the array's folder.
+_DOCUMENTS = ("zarr.json", ".zarray", ".zattrs", ".zgroup")
+
+
+def _no_array(uri: str) -> NotFound:
+    """NotFound for ``uri``, where neither document exists; naming the folder to give where ``uri`` names an
+    array's metadata file itself (``a.zarr/zarr.json``: a first try, whose "neither exists" misleads)."""
+    head, _, name = str(uri).rstrip("/").rpartition("/")
+    if name in _DOCUMENTS and head:
+        return NotFound(f"{uri} is the array's metadata file: name its folder, {head}", uri=uri)
+    return NotFound(f"no Zarr array at {uri} (neither zarr.json nor .zarray exists)", uri=uri)
 
 
 def _folder(path: str) -> str:
@@ -213,7 +226,8 @@ def _v2_as_detected(meta: ArrayMetadata, doc: dict, path: str, uri: str) -> Arra
 
 def _v3(doc: dict, uri: str) -> ArrayMetadata:
     if doc.get("node_type") == "group":
-        raise InvalidArgument(f"{uri} is a Zarr group, not an array; name one of its arrays", uri=uri)
+        raise InvalidArgument(f"{uri} is a Zarr group, not an array; name one of its arrays", uri=uri,
+                              node_type="group")
     fmt = doc.get("zarr_format")
     if fmt != 3 or isinstance(fmt, bool):
         raise MetadataError(f"{uri}: zarr.json has zarr_format {show(fmt)}, expected 3", uri=uri)
@@ -221,7 +235,8 @@ def _v3(doc: dict, uri: str) -> ArrayMetadata:
 
 
 def _v2_group(uri: str) -> InvalidArgument:
-    return InvalidArgument(f"{uri} is a Zarr v2 group, not an array; name one of its arrays", uri=uri)
+    return InvalidArgument(f"{uri} is a Zarr v2 group, not an array; name one of its arrays", uri=uri,
+                           node_type="group")
 
 
 def read_store_metadata(hierarchy: Hierarchy, prefix: str, uri: str) -> ArrayMetadata:
@@ -250,7 +265,7 @@ def read_store_metadata(hierarchy: Hierarchy, prefix: str, uri: str) -> ArrayMet
         return parse_v2(zarray, uri, separator=_store_separator(hierarchy, prefix, zarray, uri))
     if hierarchy.exists(join(".zgroup")):
         raise _v2_group(uri)
-    raise NotFound(f"no Zarr array at {uri} (neither zarr.json nor .zarray exists)", uri=uri)
+    raise _no_array(uri)
 
 
 def _store_separator(hierarchy: Hierarchy, prefix: str, doc: Any, uri: str) -> str:

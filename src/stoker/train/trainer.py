@@ -782,12 +782,14 @@ def _check_eval_data(data: Any) -> None:
 
 
 class _Progress:
-    """Rank 0's progress bar: by steps towards a step target, else by seconds of the time budget."""
+    """Rank 0's progress bar: by steps towards a step target, else by seconds of the time budget; with
+    neither (``seconds=inf``, no time limit), a count of steps."""
 
     def __init__(self, start: int, steps: int | None, seconds: float | None) -> None:
         from tqdm import tqdm
 
-        self.by_time = steps is None
+        # an infinite budget has no bar to fill: tqdm takes total=inf as no total, and its bar format fails
+        self.by_time = steps is None and seconds is not None and math.isfinite(seconds)
         self.t0 = time.perf_counter()
         if self.by_time:
             self.bar = tqdm(total=float(seconds or 0), desc="training", dynamic_ncols=True,

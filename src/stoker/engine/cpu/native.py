@@ -127,6 +127,24 @@ def configure(module) -> dict | None:
             "zlib": bool(zlib), "streaming": streaming}
 
 
+def why_off() -> tuple[str, str] | None:
+    """Why the compiled reader is off, and what turns it on (``stoker doctor`` says both); None when it is
+    on. The switch (any spelling :func:`_disabled` honours), no build, a build from another
+    ``stoker_native.h`` (warned at import), or a numcodecs without the codec functions it calls."""
+    if Engine is not None:
+        return None
+    if _disabled():
+        return f"STOKER_NATIVE={os.environ.get('STOKER_NATIVE')}", "unset STOKER_NATIVE to turn it on"
+    try:
+        from ... import _native
+    except ImportError:
+        return "not built (no C compiler at install?)", "reinstall with a C compiler"
+    if getattr(_native, "interface", None) != interface.CONSTANTS:
+        return ("built from another csrc/stoker_native.h than this stoker's (a stale build)",
+                "rebuild it: python setup.py build_ext --inplace, or reinstall")
+    return "numcodecs exports neither zstd's nor blosc's functions", "install numcodecs from its wheels"
+
+
 def _load():
     """``(Engine, zstd ready, blosc ready)``; Engine is None without the extension (or with neither codec)."""
     if _disabled():
