@@ -309,6 +309,13 @@ class Coordinator:
         if not self.inflight or self.inflight[0] is not head:
             self.inflight.appendleft(head)
 
+    def pushed(self) -> None:
+        """A new push (before its samples are queued): the shards found not stored so far (their index cached
+        as missing, the fill value) are looked for again, so a shard written since is read, as a new pipeline
+        would (a pipeline kept from one epoch to the next, CropDataset(persistent=True), read the fill value for
+        ever). Shards read before are checked against their file's identity at each read already."""
+        self._index_cache.forget_nones()
+
     def threads(self) -> list[threading.Thread]:
         """The coordinator's thread, once started."""
         return [] if self.thread is None else [self.thread]

@@ -169,6 +169,7 @@ class Pipeline:
         for executor in self._executors():  # a new push reads its files again (csrc/pool.c "Reused")
             if isinstance(executor, CpuExecutor):
                 executor.pushed()
+        self._coordinator.pushed()  # and shards found missing are looked for again
         self._intake.push(samples)
         self._coordinator.start()
 
