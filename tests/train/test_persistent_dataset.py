@@ -164,3 +164,31 @@ def test_a_second_epoch_from_the_cache_asks_the_server_nothing_in_a_kept_pipelin
         assert asked[1] == []
     else:
         assert asked[1] and all(m == "HEAD" for m, p in asked[1] if "/c/" in p)
+
+
+def test_a_close_as_an_epoch_ends_leaves_no_pipeline_kept(volume, monkeypatch):
+    """close() from another thread (a shutdown hook, a watchdog) that lands as the iteration ends, after its
+    last batch and before the pipeline is kept: once close() returned nothing is kept open (its threads and
+    batch slots), and the next iteration runs in a new pipeline."""
+    import threading
+
+    uri, data = volume
+    ds = stoker.CropDataset(_source(uri).for_rank(0, 1), _cfg(), copy=True, persistent=True)
+    drop = stoker.Pipeline.drop_used_up
+    seen = []
+
+    def close_first(p):
+        closing = threading.Thread(target=ds.close)
+        closing.start()
+        closing.join()  # close() returned, before the epoch's pipeline is kept
+        seen.append(p)
+        return drop(p)
+
+    monkeypatch.setattr(stoker.Pipeline, "drop_used_up", close_first)
+    first = list(DataLoader(ds, batch_size=None))
+    monkeypatch.setattr(stoker.Pipeline, "drop_used_up", drop)
+    assert seen and ds._kept is None and seen[0]._closed
+    assert np.array_equal(torch.cat(first).numpy(), _want(data, uri, 0))
+    assert np.array_equal(torch.cat(list(DataLoader(ds, batch_size=None))).numpy(), _want(data, uri, 1))
+    assert ds._kept is not None and ds._kept[0] is not seen[0]
+    ds.close()
