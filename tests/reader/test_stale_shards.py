@@ -280,3 +280,47 @@ def test_a_batch_the_python_path_reads_whole_completes_once(tmp_path, monkeypatc
         p.push(crops)
         assert _drain(p, old, new) == ["new"] * 16
     assert ran == [32, 32]  # each batch of the second push handed whole (8 shards of 4 chunks) to the Python path
+
+
+def test_a_shard_gone_since_its_index_was_read_is_its_fill_value(tmp_path, codec):
+    """Shards whose every inner chunk became the fill value are deleted by zarr-python: an index cached
+    from the old file (a pipeline kept from one epoch to the next, CropDataset(persistent=True)) locates
+    chunks in a file that is no longer there. They are the fill value now, as zarr-python reads them, not a
+    DecodeError ("shorter than its index claims") nor the old file's bytes."""
+    uri, old, _, _ = _array(tmp_path, codec, False, "rename")
+    new = old.copy()
+    new[:8, :] = 0  # the shards of the first two rows: every inner chunk the fill value
+    crops = _shard_crops(uri)
+    with stoker.Pipeline(_cfg(drop_last=False)) as p:
+        def read() -> list[np.ndarray]:
+            p.push(crops)
+            return [x for batch in p for x in torch.from_dlpack(batch).numpy().copy()]
+
+        want = lambda data: [data[tuple(slice(a, b) for a, b in s.aabb)] for s in crops]  # noqa: E731
+        assert all(np.array_equal(g, w) for g, w in zip(read(), want(old), strict=True))
+        zarr.open_array(uri, mode="r+")[...] = new
+        assert not os.path.exists(_shard_files(uri)[0])  # (zarr-python deleted it)
+        assert np.array_equal(zarr.open_array(uri)[:], new)
+        assert all(np.array_equal(g, w) for g, w in zip(read(), want(new), strict=True))
+
+
+def test_a_shard_written_since_it_was_found_missing_is_read_at_the_next_push(tmp_path, codec):
+    """A shard not stored (all fill value) when a pipeline first looked is written afterwards: a pipeline
+    pushed again (the one CropDataset(persistent=True) keeps for the next epoch) reads it, as a new pipeline
+    and zarr-python do, not the fill value its cached "missing" said (a silently wrong batch)."""
+    uri, old, _, _ = _array(tmp_path, codec, False, "rename")
+    before = old.copy()
+    before[:8, :] = 0  # the shards of the first two rows are not stored
+    zarr.open_array(uri, mode="r+")[...] = before
+    assert not os.path.exists(_shard_files(uri)[0])
+    crops = _shard_crops(uri)
+    want = lambda data: [data[tuple(slice(a, b) for a, b in s.aabb)] for s in crops]  # noqa: E731
+    with stoker.Pipeline(_cfg(drop_last=False)) as p:
+        def read() -> list[np.ndarray]:
+            p.push(crops)
+            return [x for batch in p for x in torch.from_dlpack(batch).numpy().copy()]
+
+        assert all(np.array_equal(g, w) for g, w in zip(read(), want(before), strict=True))
+        zarr.open_array(uri, mode="r+")[...] = old  # every shard stored now
+        assert os.path.exists(_shard_files(uri)[0])
+        assert all(np.array_equal(g, w) for g, w in zip(read(), want(old), strict=True))

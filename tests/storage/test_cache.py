@@ -131,3 +131,18 @@ def test_sized_lru_threads():
         list(pool.map(work, [keys[i::8] for i in range(8)]))
     assert cache.hits + cache.misses == len(keys)
     assert cache.nbytes == sum(size for _, size in cache._items.values()) <= 1000
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 12), st.booleans(), st.integers(1, 40)), max_size=80))
+def test_forget_nones_drops_exactly_the_none_values_still_cached(ops):
+    """What a pipeline does at each push to its shard indexes: the keys cached as None (shards not stored)
+    are dropped, every other entry is kept, and the bytes add up, also after evictions and replacements."""
+    cache = SizedLRU(200, sizeof=lambda v: 7 if v is None else len(v))
+    for key, none, size in ops:
+        cache.put(key, None if none else "x" * size)
+    kept = {k: v for k, (v, _) in cache._items.items()}
+    assert cache.forget_nones() == sum(v is None for v in kept.values())
+    assert {k: v for k, (v, _) in cache._items.items()} == {k: v for k, v in kept.items() if v is not None}
+    assert cache.nbytes == sum(len(v) for v in kept.values() if v is not None)
+    assert cache.forget_nones() == 0

@@ -164,3 +164,56 @@ def test_a_second_epoch_from_the_cache_asks_the_server_nothing_in_a_kept_pipelin
         assert asked[1] == []
     else:
         assert asked[1] and all(m == "HEAD" for m, p in asked[1] if "/c/" in p)
+
+
+def test_a_close_as_an_epoch_ends_leaves_no_pipeline_kept(volume, monkeypatch):
+    """close() from another thread (a shutdown hook, a watchdog) that lands as the iteration ends, after its
+    last batch and before the pipeline is kept: once close() returned nothing is kept open (its threads and
+    batch slots), and the next iteration runs in a new pipeline."""
+    import threading
+
+    uri, data = volume
+    ds = stoker.CropDataset(_source(uri).for_rank(0, 1), _cfg(), copy=True, persistent=True)
+    drop = stoker.Pipeline.drop_used_up
+    seen = []
+
+    def close_first(p):
+        closing = threading.Thread(target=ds.close)
+        closing.start()
+        closing.join()  # close() returned, before the epoch's pipeline is kept
+        seen.append(p)
+        return drop(p)
+
+    monkeypatch.setattr(stoker.Pipeline, "drop_used_up", close_first)
+    first = list(DataLoader(ds, batch_size=None))
+    monkeypatch.setattr(stoker.Pipeline, "drop_used_up", drop)
+    assert seen and ds._kept is None and seen[0]._closed
+    assert np.array_equal(torch.cat(first).numpy(), _want(data, uri, 0))
+    assert np.array_equal(torch.cat(list(DataLoader(ds, batch_size=None))).numpy(), _want(data, uri, 1))
+    assert ds._kept is not None and ds._kept[0] is not seen[0]
+    ds.close()
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_an_array_rewritten_between_epochs_is_read_as_it_is_now(tmp_path, decode_path, zarr_format):
+    """An array rewritten between two epochs (zarr-python's overwrite, another chunk shape of the same size):
+    the next epoch of the kept pipeline reads it by its new metadata, as a new pipeline and zarr-python do, not
+    the new files by the layout it opened the array with (every crop silently wrong)."""
+    uri = str(tmp_path / "v.zarr")
+
+    def write(seed, chunks):
+        z = zarr.create_array(uri, shape=(16, 48, 48), chunks=chunks, dtype="int16", overwrite=True,
+                              zarr_format=zarr_format)
+        z[:] = np.random.default_rng(seed).integers(-3000, 3000, z.shape, dtype=np.int16)
+        return z[:]
+
+    data = write(0, (4, 16, 16))
+    source = stoker.RandomCrops([uri], (4, 8, 8), seed=3, samples_per_epoch=24)
+    with stoker.CropDataset(source.for_rank(0, 1), _cfg(), copy=True, persistent=True, with_samples=True) as ds:
+        for epoch in range(3):
+            for samples, x in DataLoader(ds, batch_size=None):
+                want = np.stack([data[tuple(slice(*ax) for ax in s.aabb)] for s in samples]).astype("f4")
+                assert np.array_equal(x.numpy(), want)
+            kept = ds._kept[0]
+            data = write(epoch + 1, [(16, 4, 16), (4, 16, 16), (8, 8, 16)][epoch])
+        assert ds._kept[0] is kept  # one pipeline throughout

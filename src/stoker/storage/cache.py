@@ -21,6 +21,7 @@ class SizedLRU(Generic[V]):
         self._sizeof = sizeof
         self._items: OrderedDict[Hashable, tuple[V, int]] = OrderedDict()
         self._bytes = 0
+        self._nones: set[Hashable] = set()  # the keys cached as None ("there is none"): see forget_nones
         self._lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
         self.hits = 0
         self.misses = 0
@@ -92,12 +93,16 @@ class SizedLRU(Generic[V]):
             old = self._items.pop(key, None)
             if old is not None:
                 self._bytes -= old[1]
+            self._nones.discard(key)
             if size <= self.max_bytes:
                 self._items[key] = (value, size)
                 self._bytes += size
+                if value is None:
+                    self._nones.add(key)
                 while self._bytes > self.max_bytes:
-                    _, (_, evicted) = self._items.popitem(last=False)
+                    gone, (_, evicted) = self._items.popitem(last=False)
                     self._bytes -= evicted
+                    self._nones.discard(gone)
 
     def discard(self, key: Hashable, when: Callable[[V], bool] | None = None) -> None:
         """Drop ``key``'s value if it is cached (and ``when(value)`` is true, when given)."""
@@ -106,8 +111,20 @@ class SizedLRU(Generic[V]):
             if item is not None and (when is None or when(item[0])):
                 del self._items[key]
                 self._bytes -= item[1]
+                self._nones.discard(key)
+
+    def forget_nones(self) -> int:
+        """Drop every value cached as ``None`` (what was looked up and found not there, a shard not stored), so
+        the next look-up loads it again: what was written since is found. One step per such key, not per entry
+        (a pipeline does it at each push). Returns how many were dropped."""
+        with self._lock:
+            for key in self._nones:
+                self._bytes -= self._items.pop(key)[1]
+            n, self._nones = len(self._nones), set()
+            return n
 
     def clear(self) -> None:
         with self._lock:
             self._items.clear()
+            self._nones.clear()
             self._bytes = 0

@@ -240,9 +240,13 @@ class LocalStore:
 
     def _checked_read(self, path: str, expected: Identity | None, read: Callable[[int], _T]) -> _T | None:
         """``read(fd)`` on the cached descriptor of ``path``, between :meth:`_check` and :meth:`_check_after`
-        against ``expected``; ``None`` when the file is missing."""
+        against ``expected``; ``None`` when the file is missing (:class:`FileChanged` with ``expected``: the file
+        of that identity is gone, so what its index located is not there; the caller reads the index anew, which
+        finds the shard gone, its chunks the fill value, as zarr-python deletes a shard all of fill value)."""
         with self._open(path) as handle:
             if handle is None:
+                if expected is not None:
+                    raise FileChanged(f"{path} is gone since its index was read", path=path)
                 return None
             self._check(handle, path, expected)
             got = read(handle.fd)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import threading
 from typing import Any, Iterator
 
 import torch
@@ -108,6 +109,9 @@ class CropDataset(torch.utils.data.IterableDataset):
         self._live: Pipeline | None = None  # the pipeline of the current iteration
         # persistent: the pipeline of the last epoch read to its end, drained, and the read_ahead it was made with
         self._kept: tuple[Pipeline, int] | None = None
+        # _run's bump and the kept pipeline's hand-overs: a close() on another thread as an epoch ends either
+        # finds the pipeline kept (and closes it) or makes the iteration close it, never leaves it kept
+        self._lock = threading.Lock()
 
     # -- position ---------------------------------------------------------------------------
 
@@ -135,7 +139,8 @@ class CropDataset(torch.utils.data.IterableDataset):
         """End the iteration under way and close the pipeline kept between epochs (``persistent=True``); the
         dataset can be iterated again (with a new pipeline)."""
         self._stop()
-        kept, self._kept = self._kept, None
+        with self._lock:
+            kept, self._kept = self._kept, None
         if kept is not None:
             kept[0].close()
 
@@ -147,8 +152,9 @@ class CropDataset(torch.utils.data.IterableDataset):
 
     def _stop(self) -> None:
         """End the iteration under way (its generator returns at its next step) and close its pipeline."""
-        self._run += 1
-        live, self._live = self._live, None
+        with self._lock:
+            self._run += 1
+            live, self._live = self._live, None
         if live is not None:
             live.close()
 
@@ -234,35 +240,46 @@ class CropDataset(torch.utils.data.IterableDataset):
                 if self._live is pipeline:
                     self._live = None
         finally:
-            self._keep_or_close(pipeline, ahead, ended)
+            self._keep_or_close(pipeline, ahead, ended, run)
         if run == self._run:  # used up: the next iter() starts the next epoch
             self._positioned()
 
     def _pipeline(self, ahead: int) -> Pipeline:
         """The pipeline kept from the last epoch (``persistent``), when it reads as far ahead as this one is to;
         else a new one."""
-        kept, self._kept = self._kept, None
+        with self._lock:
+            kept, self._kept = self._kept, None
         if kept is not None and kept[1] == ahead:
             return kept[0]
         if kept is not None:
             kept[0].close()
         return Pipeline(self.cfg, read_ahead=ahead)
 
-    def _keep_or_close(self, pipeline: Pipeline, ahead: int, ended: bool) -> None:
-        """After an iteration: keep ``pipeline`` for the next epoch (``persistent``, the epoch ``ended``, read
-        to its end), the samples its epoch left that do not fill a batch dropped; else close it."""
-        if ended and self.persistent and self._kept is None:
+    def _keep_or_close(self, pipeline: Pipeline, ahead: int, ended: bool, run: int) -> None:
+        """After iteration ``run``: keep ``pipeline`` for the next epoch (``persistent``, the epoch ``ended``,
+        read to its end), the samples its epoch left that do not fill a batch dropped; else close it. Kept only
+        while ``run`` is still the latest (under the lock): a close(), load or newer iteration since then (from
+        another thread) means nobody would close it."""
+        if ended and self.persistent:
             try:
                 pipeline.drop_used_up()
             except StokerError:  # not drained after all (an error sticks, a close raced): not kept
                 pipeline.close()
                 return
-            self._kept = (pipeline, ahead)
-            return
+            with self._lock:
+                if run == self._run and self._kept is None:
+                    self._kept = (pipeline, ahead)
+                    return
         pipeline.close()
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_live": None, "_kept": None}  # a pipeline is a process's own
+        state = {**self.__dict__, "_live": None, "_kept": None}  # a pipeline is a process's own
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return (f"CropDataset({type(self.source.source).__name__}, rank {self.source.rank} of "

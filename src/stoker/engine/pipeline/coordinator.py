@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import itertools
+import os
 import threading
 import time
 from typing import Any
@@ -32,7 +33,8 @@ from ...config import Config
 from ...errors import BudgetExceeded, DtypeMismatch, NotYetSupported, ShutdownError, StokerError
 from ...sampling.sample import Sample, parts
 from ...storage import LocalStore
-from ...storage.locate import Stores, options_for
+from ...storage.local import identity
+from ...storage.locate import Stores, locate, options_for
 from ...storage.uri import REMOTE_SCHEMES
 from ...zarr.box import check_in_bounds
 from ..cast import batch_dtype
@@ -128,6 +130,9 @@ class Coordinator:
         self._batch_ids = itertools.count()
         self._index_cache = SizedLRU(DEFAULT_INDEX_CACHE_BYTES, index_size)
         self._readers: SizedLRU = SizedLRU(_MAX_OPEN_ARRAYS, lambda _: 1)
+        # local arrays opened: uri -> their metadata files' identities before the open (see forget_rewritten)
+        self._metas: dict[str, tuple] = {}
+        self._used_up = False  # the pushes so far were used up (Pipeline.drop_used_up): the next push checks them
         self._dtypes: dict = {}  # the batch dtype of each source dtype (numpy's), as batch_dtype settles it
         # batches planned, waiting for a slot, their remote chunks prefetched meanwhile (see .prefetch)
         self.ahead = Ahead(cfg, self._wake)
@@ -165,10 +170,31 @@ class Coordinator:
 
     def _load(self, uri: str) -> ArrayReader:
         options = options_for(self.cfg.storage_options, uri)
+        metas = metadata_identity(uri)  # before the read: a rewrite during the open is told at the next look
         reader = open_array(uri, options, store=self.store, index_cache=self._index_cache, stores=self.stores)
         if self.cfg.cf:  # its attributes read with its metadata (consolidated, or on _open_all's threads)
             coding(reader, self.stores, options)
+        if metas is not None:
+            if len(self._metas) >= 2 * _MAX_OPEN_ARRAYS:  # bounded as the readers are: those evicted leave
+                self._metas = {u: m for u, m in self._metas.items() if u in self._readers}
+            self._metas[uri] = metas
         return reader
+
+    def forget_rewritten(self) -> int:
+        """Forget the local arrays opened whose metadata files changed since (an array rewritten, zarr-python's
+        ``overwrite`` with another chunk shape, codec or dtype): the next batch opens them anew, as a new pipeline
+        would, instead of reading the new files by the old layout (silently wrong crops). At the first push after
+        :meth:`used_up` (a new epoch of a pipeline kept for it): a few ``stat`` per array opened. Returns
+        how many were forgotten. Arrays in object stores are revalidated by their stores (cache_staleness_s)."""
+        n = 0
+        for uri, metas in list(self._metas.items()):
+            if uri not in self._readers:  # evicted meanwhile: opened anew anyway
+                self._metas.pop(uri, None)
+            elif metadata_identity(uri) != metas:
+                self._readers.discard(uri)
+                self._metas.pop(uri, None)
+                n += 1
+        return n
 
     def _open_all(self, uris: list[str]) -> list[ArrayReader]:
         """The arrays at ``uris``. Those in remote stores not open yet are opened at once, on the pipeline's
@@ -308,6 +334,23 @@ class Coordinator:
         """Under the condition: ``head``, taken by :meth:`take_head`, is first in flight again (if not already)."""
         if not self.inflight or self.inflight[0] is not head:
             self.inflight.appendleft(head)
+
+    def pushed(self) -> None:
+        """A new push (before its samples are queued): the shards found not stored so far (their index cached
+        as missing, the fill value) are looked for again, so a shard written since is read, as a new pipeline
+        would (a pipeline kept from one epoch to the next, CropDataset(persistent=True), read the fill value for
+        ever). Shards read before are checked against their file's identity at each read already. After
+        :meth:`used_up` (a new epoch of a pipeline kept for it) the arrays rewritten since are forgotten too
+        (:meth:`forget_rewritten`)."""
+        self._index_cache.forget_nones()
+        if self._used_up:
+            self._used_up = False
+            self.forget_rewritten()
+
+    def used_up(self) -> None:
+        """The pushes so far are used up (:meth:`Pipeline.drop_used_up`, between two epochs of a pipeline kept
+        for the next): the next push looks for arrays rewritten meanwhile (:meth:`forget_rewritten`)."""
+        self._used_up = True
 
     def threads(self) -> list[threading.Thread]:
         """The coordinator's thread, once started."""
@@ -614,6 +657,25 @@ class Coordinator:
                 "'i32') for integer ids, which keeps them exact, 'f32' for floats and 8- or 16-bit integers"
             )
         return dtypes.pop()
+
+
+#: the files of a local array's metadata (v3, v2 and its attributes: CF's scale_factor lives there)
+_METADATA_FILES = ("zarr.json", ".zarray", ".zattrs")
+
+
+def metadata_identity(uri: str) -> tuple | None:
+    """The identities of a local array's metadata files (None for a file not there), or None for an array not
+    in a local directory (an object store, a zip archive)."""
+    loc = locate(uri)
+    if not loc.is_local or loc.path is None:
+        return None
+    out = []
+    for name in _METADATA_FILES:
+        try:
+            out.append(identity(os.stat(os.path.join(loc.path, name))))
+        except OSError:
+            out.append(None)
+    return tuple(out)
 
 
 def revalidate_when_open(flights: list[tuple[str, concurrent.futures.Future]], pulled: list[list[Sample]],

@@ -169,6 +169,7 @@ class Pipeline:
         for executor in self._executors():  # a new push reads its files again (csrc/pool.c "Reused")
             if isinstance(executor, CpuExecutor):
                 executor.pushed()
+        self._coordinator.pushed()  # shards found missing looked for again (after drop_used_up: arrays rewritten)
         self._intake.push(samples)
         self._coordinator.start()
 
@@ -452,9 +453,11 @@ class Pipeline:
         """Forget the pushes so far once they are used up (the pipeline's iteration ended): the samples pulled
         from them that do not fill a batch (``drop_last=True`` drops them at the end), which would otherwise
         open the next push's first batch, and their positions: ``state_dict()["sources"]`` then lists only
-        pushes made after this call. For a loop that keeps one pipeline across epochs and wants each epoch's
-        batches to be its own, as :class:`~stoker.CropDataset` with ``persistent=True`` does. Returns the
-        samples dropped; ``InvalidArgument`` while a push still has samples to give or a batch is in flight.
+        pushes made after this call. Local arrays rewritten before the next push (their metadata files changed
+        since they were opened) are opened anew by its batches, as a new pipeline would. For a loop that keeps
+        one pipeline across epochs and wants each epoch's batches to be its own, as :class:`~stoker.CropDataset`
+        with ``persistent=True`` does. Returns the samples dropped; ``InvalidArgument`` while a push still has
+        samples to give or a batch is in flight.
 
         >>> for batch in p: ...                     # epoch 0 of a source of 30 samples, batches of 8
         >>> p.drop_used_up()                        # 6: fewer than a batch, not mixed into epoch 1
@@ -469,6 +472,7 @@ class Pipeline:
                 raise InvalidArgument(
                     f"drop_used_up() while {f'{busy} batches are in flight' if busy else 'a push has samples to give'}"
                     ": call it once the pipeline's iteration has ended (every batch popped)")
+            self._coordinator.used_up()  # the next push opens anew the local arrays rewritten meanwhile
             return self._intake.drop_used_up()
 
     # -- stats and lifetime -----------------------------------------------------------------
