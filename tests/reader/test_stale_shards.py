@@ -306,8 +306,9 @@ def test_a_shard_gone_since_its_index_was_read_is_its_fill_value(tmp_path, codec
 
 def test_a_shard_written_since_it_was_found_missing_is_read_at_the_next_push(tmp_path, codec):
     """A shard not stored (all fill value) when a pipeline first looked is written afterwards: a pipeline
-    pushed again (the one CropDataset(persistent=True) keeps for the next epoch) reads it, as a new pipeline
-    and zarr-python do, not the fill value its cached "missing" said (a silently wrong batch)."""
+    whose pushes were used up (drop_used_up, as CropDataset(persistent=True) keeps it for the next epoch)
+    pushed again reads it, as a new pipeline and zarr-python do, not the fill value its cached "missing"
+    said (a silently wrong batch)."""
     uri, old, _, _ = _array(tmp_path, codec, False, "rename")
     before = old.copy()
     before[:8, :] = 0  # the shards of the first two rows are not stored
@@ -318,7 +319,9 @@ def test_a_shard_written_since_it_was_found_missing_is_read_at_the_next_push(tmp
     with stoker.Pipeline(_cfg(drop_last=False)) as p:
         def read() -> list[np.ndarray]:
             p.push(crops)
-            return [x for batch in p for x in torch.from_dlpack(batch).numpy().copy()]
+            got = [x for batch in p for x in torch.from_dlpack(batch).numpy().copy()]
+            p.drop_used_up()
+            return got
 
         assert all(np.array_equal(g, w) for g, w in zip(read(), want(before), strict=True))
         zarr.open_array(uri, mode="r+")[...] = old  # every shard stored now

@@ -336,15 +336,16 @@ class Coordinator:
             self.inflight.appendleft(head)
 
     def pushed(self) -> None:
-        """A new push (before its samples are queued): the shards found not stored so far (their index cached
-        as missing, the fill value) are looked for again, so a shard written since is read, as a new pipeline
-        would (a pipeline kept from one epoch to the next, CropDataset(persistent=True), read the fill value for
-        ever). Shards read before are checked against their file's identity at each read already. After
-        :meth:`used_up` (a new epoch of a pipeline kept for it) the arrays rewritten since are forgotten too
-        (:meth:`forget_rewritten`)."""
-        self._index_cache.forget_nones()
+        """A new push (before its samples are queued). After :meth:`used_up` (a new epoch of a pipeline kept for
+        it, CropDataset(persistent=True)): the shards found not stored so far (their index cached as missing,
+        the fill value) are looked for again, so a shard written since is read, as a new pipeline would (a
+        kept pipeline read the fill value for ever), and the local arrays rewritten since are forgotten
+        (:meth:`forget_rewritten`). Shards read before are checked against their file's identity at each read
+        already. Not at every push: a loop that pushes a batch's samples at a time would ask its store again
+        about every missing shard of a sparse array each batch (over an object store, a request each)."""
         if self._used_up:
             self._used_up = False
+            self._index_cache.forget_nones()
             self.forget_rewritten()
 
     def used_up(self) -> None:

@@ -169,7 +169,7 @@ class Pipeline:
         for executor in self._executors():  # a new push reads its files again (csrc/pool.c "Reused")
             if isinstance(executor, CpuExecutor):
                 executor.pushed()
-        self._coordinator.pushed()  # shards found missing looked for again (after drop_used_up: arrays rewritten)
+        self._coordinator.pushed()  # after drop_used_up: shards found missing and arrays rewritten looked at again
         self._intake.push(samples)
         self._coordinator.start()
 
@@ -454,7 +454,8 @@ class Pipeline:
         from them that do not fill a batch (``drop_last=True`` drops them at the end), which would otherwise
         open the next push's first batch, and their positions: ``state_dict()["sources"]`` then lists only
         pushes made after this call. Local arrays rewritten before the next push (their metadata files changed
-        since they were opened) are opened anew by its batches, as a new pipeline would. For a loop that keeps
+        since they were opened) are opened anew by its batches, and shards found not stored are looked for
+        again, as a new pipeline would (a pipeline pushed again without this call keeps what it learnt). For a loop that keeps
         one pipeline across epochs and wants each epoch's batches to be its own, as :class:`~stoker.CropDataset`
         with ``persistent=True`` does. Returns the samples dropped; ``InvalidArgument`` while a push still has
         samples to give or a batch is in flight.
