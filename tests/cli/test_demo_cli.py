@@ -136,4 +136,4 @@ def test_cli_runs_from_a_bare_environment(cache, tmp_path):
     assert "(128, 512, 512)" in inspected.stdout and "amplification" in inspected.stdout
     bad = subprocess.run([STOKER, "demo", "--steps", "0"], env=env, cwd=tmp_path, capture_output=True, text=True,
                          timeout=60)
-    assert bad.returncode == 2 and "--steps: must be an integer >= 1" in bad.stderr
+    assert bad.returncode == 2 and "--steps: takes a whole number of at least 1" in bad.stderr
