@@ -330,8 +330,9 @@ class ArrayReader:
             index_cache = SizedLRU(DEFAULT_INDEX_CACHE_BYTES, index_size)
         self._index_cache = index_cache
         self._token = next(_reader_tokens)
-        # what other modules derive from the array's documents, once per reader (its metadata never changes):
-        # reader/coords.py's CF coding, asked several times a batch by the planner, by name
+        # what other modules derive from the array's documents, once per reader (its metadata never changes), by
+        # name: reader/coords.py's CF coding (asked several times a batch by the planner), and a pipeline's
+        # identities of the metadata files it was opened from (Coordinator.forget_rewritten)
         self.derived: dict[str, Any] = {}
         # shard indexes being read, or queued to be read ahead (start_shard_entries): key -> its flight, for a
         # planner's read to wait for (started) or take over (queued)

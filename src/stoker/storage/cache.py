@@ -113,6 +113,11 @@ class SizedLRU(Generic[V]):
                 self._bytes -= item[1]
                 self._nones.discard(key)
 
+    def items(self) -> list[tuple[Hashable, V]]:
+        """A snapshot of the ``(key, value)`` pairs cached, least recently used first (none made more recent)."""
+        with self._lock:
+            return [(key, item[0]) for key, item in self._items.items()]
+
     def forget_nones(self) -> int:
         """Drop every value cached as ``None`` (what was looked up and found not there, a shard not stored), so
         the next look-up loads it again: what was written since is found. One step per such key, not per entry

@@ -28,6 +28,7 @@ from ...runtime import gil
 from ...runtime.workers import DaemonPool, start_thread, when_all_done
 from ...reader.array import DEFAULT_INDEX_CACHE_BYTES, ArrayReader, index_size, open_array
 from ...reader.coords import coding
+from ...reader.metacache import stat_document
 from ...storage.cache import SizedLRU
 from ...config import Config
 from ...errors import BudgetExceeded, DtypeMismatch, NotYetSupported, ShutdownError, StokerError
@@ -130,8 +131,6 @@ class Coordinator:
         self._batch_ids = itertools.count()
         self._index_cache = SizedLRU(DEFAULT_INDEX_CACHE_BYTES, index_size)
         self._readers: SizedLRU = SizedLRU(_MAX_OPEN_ARRAYS, lambda _: 1)
-        # local arrays opened: uri -> their metadata files' identities before the open (see forget_rewritten)
-        self._metas: dict[str, tuple] = {}
         self._used_up = False  # the pushes so far were used up (Pipeline.drop_used_up): the next push checks them
         self._dtypes: dict = {}  # the batch dtype of each source dtype (numpy's), as batch_dtype settles it
         # batches planned, waiting for a slot, their remote chunks prefetched meanwhile (see .prefetch)
@@ -174,10 +173,8 @@ class Coordinator:
         reader = open_array(uri, options, store=self.store, index_cache=self._index_cache, stores=self.stores)
         if self.cfg.cf:  # its attributes read with its metadata (consolidated, or on _open_all's threads)
             coding(reader, self.stores, options)
-        if metas is not None:
-            if len(self._metas) >= 2 * _MAX_OPEN_ARRAYS:  # bounded as the readers are: those evicted leave
-                self._metas = {u: m for u, m in self._metas.items() if u in self._readers}
-            self._metas[uri] = metas
+        if metas is not None:  # kept with the reader: evicted with it (see forget_rewritten)
+            reader.derived["metadata_files"] = metas
         return reader
 
     def forget_rewritten(self) -> int:
@@ -185,14 +182,13 @@ class Coordinator:
         ``overwrite`` with another chunk shape, codec or dtype): the next batch opens them anew, as a new pipeline
         would, instead of reading the new files by the old layout (silently wrong crops). At the first push after
         :meth:`used_up` (a new epoch of a pipeline kept for it): a few ``stat`` per array opened. Returns
-        how many were forgotten. Arrays in object stores are revalidated by their stores (cache_staleness_s)."""
+        how many were forgotten. Arrays in object stores are not looked at: their objects' bytes are revalidated
+        by their stores (cache_staleness_s), but a layout changed there needs a new pipeline."""
         n = 0
-        for uri, metas in list(self._metas.items()):
-            if uri not in self._readers:  # evicted meanwhile: opened anew anyway
-                self._metas.pop(uri, None)
-            elif metadata_identity(uri) != metas:
+        for uri, reader in self._readers.items():
+            metas = reader.derived.get("metadata_files")
+            if metas is not None and metadata_identity(uri) != metas:
                 self._readers.discard(uri)
-                self._metas.pop(uri, None)
                 n += 1
         return n
 
@@ -672,10 +668,8 @@ def metadata_identity(uri: str) -> tuple | None:
         return None
     out = []
     for name in _METADATA_FILES:
-        try:
-            out.append(identity(os.stat(os.path.join(loc.path, name))))
-        except OSError:
-            out.append(None)
+        st = stat_document(os.path.join(loc.path, name))
+        out.append(None if st is None else identity(st))
     return tuple(out)
 
 
