@@ -167,10 +167,8 @@ def _missing_values(reader: "ArrayReader") -> np.ndarray | None:
         return _unsigned_missing(reader)  # but its fills still mark values missing
     if code is None or not code.fills:
         return None
-    if reader.dtype.kind in "iu":  # ints it holds (coding_of keeps no other): exact, 2**64 - 1 too
-        info = np.iinfo(reader.dtype)
-        ints = [int(f) for f in code.fills if f == f and abs(f) != float("inf") and info.min <= f <= info.max]
-        return np.array(ints, dtype=reader.dtype) if ints else None
+    if reader.dtype.kind in "iu":  # ints it holds (coding_of masks no other): exact, 2**64 - 1 too
+        return np.array([int(f) for f in code.fills], dtype=reader.dtype)
     with np.errstate(invalid="ignore", over="ignore"):
         fills = np.asarray(code.fills, dtype=np.float64)
         kept = fills[np.isfinite(fills)] if reader.dtype.kind == "b" else fills
