@@ -72,8 +72,9 @@ def second_epoch(sc, uris: list[str], batch_size: int, batches: int, persistent:
             n = _epoch(ds, first)
             seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
             after = served.counters() if served is not None else (0, 0)
-        return {"samples_per_s": n / seconds, "cpu_ms": cpu / (n / batch_size) * 1e3,
-                "requests": (after[0] - asked[0]) / (n / batch_size), "mb": (after[1] - asked[1]) / 1e6 / (n / batch_size),
+        batches = n / batch_size
+        return {"samples_per_s": n / seconds, "cpu_ms": cpu / batches * 1e3,
+                "requests": (after[0] - asked[0]) / batches, "mb": (after[1] - asked[1]) / 1e6 / batches,
                 "first": first[0]}
     finally:
         if folder is not None:
@@ -94,8 +95,9 @@ def main(argv: list[str] | None = None) -> dict:
     root = args.data or cache_dir() / "bench"
     paths = datasets.ensure(root, sc.volume)
     batch_size = sc.batch_size
-    print(f"scenario {sc.number} ({sc.volume.name}): {len(paths)} arrays, crops {sc.crop}, batch {batch_size}, {args.batches} batches an epoch; "
-          f"{args.store} at {args.latency_ms:g} ms a request; {args.rounds} interleaved rounds", flush=True)
+    print(f"scenario {sc.number} ({sc.volume.name}): {len(paths)} arrays, crops {sc.crop}, batch {batch_size}, "
+          f"{args.batches} batches an epoch; {args.store} at {args.latency_ms:g} ms a request; "
+          f"{args.rounds} interleaved rounds", flush=True)
     rounds: dict[str, list[dict]] = {}
     with Served(root, args.store, args.latency_ms) as served:
         remote = Remote(args.store, served.url, root, args.latency_ms)
