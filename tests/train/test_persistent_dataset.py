@@ -217,3 +217,23 @@ def test_an_array_rewritten_between_epochs_is_read_as_it_is_now(tmp_path, decode
             kept = ds._kept[0]
             data = write(epoch + 1, [(16, 4, 16), (4, 16, 16), (8, 8, 16)][epoch])
         assert ds._kept[0] is kept  # one pipeline throughout
+
+
+def test_a_grid_read_epoch_after_epoch_in_one_pipeline_covers_every_tile(tmp_path):
+    """A TileGrid's epochs (their last short batch kept, read ahead) in the one pipeline kept: every tile once
+    an epoch, in the grid's order, each equal to zarr-python's read; none skipped or carried into the next."""
+    uri = str(tmp_path / "g.zarr")
+    z = zarr.create_array(uri, shape=(20, 40, 36), chunks=(8, 16, 16), dtype="uint16")
+    z[:] = np.random.default_rng(9).integers(0, 4096, z.shape, dtype=np.uint16)
+    data = z[:]
+    grid = stoker.TileGrid([uri], (8, 16, 16), stride=(6, 12, 12))
+    want = [data[tuple(slice(*ax) for ax in grid.sample(0, i).aabb)].astype("f4") for i in range(len(grid))]
+    assert len(grid) % 4  # a short last batch each epoch
+    with stoker.CropDataset(grid, _cfg(sample_shape=(8, 16, 16)), with_samples=True, persistent=True) as ds:
+        kept = []
+        for _ in range(3):
+            got = [(s.aabb, x.clone()) for samples, xs in ds for s, x in zip(samples, xs)]
+            assert [a for a, _ in got] == [grid.sample(0, i).aabb for i in range(len(grid))]
+            assert all(np.array_equal(x.numpy(), w) for (_, x), w in zip(got, want, strict=True))
+            kept.append(ds._kept[0])
+        assert kept[0] is kept[1] is kept[2]
