@@ -785,3 +785,20 @@ def test_a_huge_group_document_is_refused_unread(tmp_path):
     doc.write_text('{"zarr_format": 3, "node_type": ')
     with pytest.raises(MetadataError, match="not valid JSON"):
         ZarrRecords(str(tmp_path / "ds"))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_normalize_of_a_16_bit_field_rounds_once_and_is_not_biased(dtype):
+    """A bf16/f16 field normalised in its own dtype had its mean rounded first (283.7 to 284 in bfloat16):
+    every value shifted alike, the result's mean about -0.1 where the data gives ~0. In float32, rounded
+    once: equal to the float32 reference rounded to the field's dtype, and so is denormalize."""
+    values = torch.linspace(276.0, 291.4, 4096, dtype=torch.float32).reshape(-1, 1).to(dtype)
+    stats = {"t": FieldStats(torch.tensor(4096), torch.tensor(283.7, dtype=torch.float64),
+                             torch.tensor(3.0, dtype=torch.float64), torch.tensor(276.0, dtype=torch.float64),
+                             torch.tensor(291.4, dtype=torch.float64), torch.tensor(0))}
+    got = normalize({"t": values}, stats)["t"]
+    want = ((values.float() - 283.7) / 3.0).to(dtype)
+    assert got.dtype == dtype and torch.equal(got, want)
+    assert abs(float(got.float().mean()) - float(((values.float() - 283.7) / 3.0).mean())) < 0.01
+    back = denormalize({"t": got}, stats)["t"]
+    assert back.dtype == dtype and torch.equal(back, (got.float() * 3.0 + 283.7).to(dtype))

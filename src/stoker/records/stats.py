@@ -122,7 +122,8 @@ def normalize(sample: Mapping[str, torch.Tensor], stats: Mapping[str, FieldStats
     """``(x - mean) / std`` for every field of ``sample`` that ``stats`` covers; a new dict.
 
     Per-channel statistics broadcast over the last axis. Floating fields keep their
-    dtype, others become float32 (computed in float64 from their exact values).
+    dtype (16-bit ones computed in float32 and rounded once), others become float32
+    (computed in float64 from their exact values).
     Fields without statistics pass through as they are; channels whose std is 0 are
     only centred.
     """
@@ -136,7 +137,11 @@ def _affine(sample: Mapping[str, torch.Tensor], stats: Mapping[str, FieldStats],
         st = stats.get(name)
         if st is None:
             continue
-        if x.is_floating_point():
+        if x.dtype in (torch.float16, torch.bfloat16):  # in float32, rounded once: in its own dtype the mean
+            # itself was rounded first (283.7 to 284 in bfloat16), every value shifted alike, a bias not noise
+            mean, std = _scale(st, torch.float32, x.device)
+            out[name] = fn(x.float(), mean, std).to(x.dtype)
+        elif x.is_floating_point():
             mean, std = _scale(st, x.dtype, x.device)
             out[name] = fn(x, mean, std)
         else:  # from the exact values: float32 rounds integers beyond 2**24 (a timestamp in steps of 128)
