@@ -307,12 +307,14 @@ def _from_entry(entry: dict | None, channels: int | None) -> FieldStats | None:
     return st
 
 
-def _warn_if_rounded(reader: ArrayReader, code: CFCoding | None, st: FieldStats) -> None:
+def _warn_if_rounded(reader: ArrayReader, cf: bool, options: dict | None, st: FieldStats) -> None:
     """A RuntimeWarning where ``st`` describes 64-bit integers at or past 2**53 (unless CF scaling makes them
     floats anyway): float64 rounds them, so ``min``/``max`` may be no stored value (uint64's 2**64 - 1 reads
-    2**64) and ids compared with them would silently differ; the statistics are still right for ``Normalize``."""
+    2**64) and ids compared with them would silently differ; the statistics are still right for ``Normalize``.
+    The array's CF coding is asked (its attributes read) only for such a dtype."""
     if reader.dtype.kind not in "iu" or reader.dtype.itemsize < 8:
         return
+    code = coding(reader, options=options) if cf else None
     if code is not None and (code.scale is not None or code.offset is not None):
         return
     if float(torch.maximum(st.min.abs(), st.max.abs()).max()) >= 2.0**53:
@@ -324,8 +326,8 @@ def _warn_if_rounded(reader: ArrayReader, code: CFCoding | None, st: FieldStats)
 
 def _open(uri: str, region: Any, channel_axis: int | None, nonfinite: str, cache: bool,
           storage_options: dict | None, store: LocalStore | None, cf: bool) -> tuple:
-    """``(reader, box, axis, fingerprint or None, CF coding or None)`` of one array on this rank: what may fail on
-    one rank alone (a path its node lacks, a store it cannot list), before any collective."""
+    """``(reader, box, axis, fingerprint or None)`` of one array on this rank: what may fail on one rank alone
+    (a path its node lacks, a store it cannot list), before any collective."""
     reader = open_array(uri, storage_options, store=store)
     _check_array(reader, channel_axis)
     box = parse_region(region, reader.shape, uri, reader, storage_options)
@@ -334,9 +336,7 @@ def _open(uri: str, region: Any, channel_axis: int | None, nonfinite: str, cache
                               "nothing to compute statistics of", uri=uri)
     axis = None if channel_axis is None else channel_axis % reader.ndim
     fp = identity.fingerprint(reader, box, axis, nonfinite, cf) if cache else None
-    # the values a batch holds: with cf (as Config(cf=True), the default) packed values unpacked, fills NaN
-    code = coding(reader, options=storage_options) if cf else None
-    return reader, box, axis, fp, code
+    return reader, box, axis, fp
 
 
 def _one_array(uri: str, region: Any, channel_axis: int | None, nonfinite: str, group: Any, cache: bool,
@@ -362,7 +362,7 @@ def _one_array(uri: str, region: Any, channel_axis: int | None, nonfinite: str, 
         raise StokerError(f"compute_stats: rank(s) {failed} could not open or identify {uri}; the cause is raised "
                           "there", ranks=failed, uri=uri)
     assert opened is not None
-    reader, box, axis, fp, code = opened
+    reader, box, axis, fp = opened
     if len({int(h[1]) for h in headers}) > 1:
         raise InvalidArgument(f"ranks see different data at {uri} (its fingerprints differ: another file "
                               "system, or the array changed while they looked)", uri=uri)
@@ -372,8 +372,11 @@ def _one_array(uri: str, region: Any, channel_axis: int | None, nonfinite: str, 
     try:
         st = _from_entry(entry, channels)
         if st is not None:  # every rank holds rank 0's entry: all return here, or none
-            _warn_if_rounded(reader, code, st)
+            _warn_if_rounded(reader, cf, storage_options, st)
             return st, box
+        # the values a batch holds: with cf (as Config(cf=True), the default) packed values unpacked, fills NaN
+        # (read only now: a cached entry needs no attributes of a v2 array read)
+        code = coding(reader, options=storage_options) if cf else None
         st = _compute(reader, box, axis, nonfinite == "skip", group, threads, timeout_s, progress and lead, code)
         if folder is not None and fp is not None:
             if lead:
@@ -388,7 +391,7 @@ def _one_array(uri: str, region: Any, channel_axis: int | None, nonfinite: str, 
                 except OSError as exc:  # read-only data is common: the statistics are still right
                     warnings.warn(f"could not write {sidecar.path_for(folder)}: {exc}", RuntimeWarning, stacklevel=4)
             barrier(group)  # the file is in place (or known unwritable) before anyone goes on
-        _warn_if_rounded(reader, code, st)
+        _warn_if_rounded(reader, cf, storage_options, st)
         return st, box
     finally:
         if held is not None:
