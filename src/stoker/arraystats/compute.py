@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 import torch
 
-from ..checks import seconds
+from ..checks import integer, seconds
 from ..dist.collectives import all_gather, barrier, group_position, rank_info
 from ..errors import InvalidArgument, NonFiniteData, StokerError
 from ..reader.array import ArrayReader, open_array
@@ -459,9 +459,7 @@ def compute_array_stats(arrays_or_fields: Any, region: Any = None, *, channel_ax
         raise InvalidArgument(f"channel_axis must be an int or None, got {channel_axis!r}", knob="channel_axis")
     channel_axis = None if channel_axis is None else int(channel_axis)
     threads = min(8, os.cpu_count() or 1) if threads is None else threads
-    if isinstance(threads, bool) or not isinstance(threads, numbers.Integral) or threads < 1:
-        raise InvalidArgument(f"threads must be an int >= 1, got {threads!r}", knob="threads")
-    threads = int(threads)
+    threads = integer("threads", threads, 1, knob="threads")
     timeout_s = seconds("compute_stats: timeout_s", timeout_s, knob="timeout_s")
     if not isinstance(cf, (bool, np.bool_)):  # as Config.cf: a truthy "False" would decode what was asked raw
         raise InvalidArgument(f"compute_stats: cf must be True (the values a Config(cf=True) batch holds) or False "
