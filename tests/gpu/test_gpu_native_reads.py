@@ -14,6 +14,7 @@ random seed (as tests/engine/test_native_fuzz.py).
 from __future__ import annotations
 
 import os
+import struct
 
 import numpy as np
 import pytest
@@ -169,6 +170,42 @@ def test_a_plan_outside_the_staging_is_refused_before_any_read(tmp_path):
     with pytest.raises(ValueError):  # whole files placed from past the end
         native_reads.read(buf, [str(tmp_path / "f")], np.zeros((1, 6), np.int64), np.array([[0, -1, 4, 0]]), 17, 1)
     assert buf == bytearray(16)
+
+
+def test_tables_the_call_writes_into_are_read_as_they_were_checked(tmp_path):
+    """``out`` overlapping ``reads`` (a view of the same memory, two values on): the call read the status rows it
+    wrote back as reads, file -1 among them (a path and an identity row before the tables' start: out of bounds).
+    The call reads its own copies of the tables, as checked, and writes ``out`` once its reads are done."""
+    data = bytes(range(40))
+    (tmp_path / "f").write_bytes(data)
+    whole, buf = _guarded(24)
+    backing = np.zeros(16, np.int64)
+    reads, out = backing[:12].reshape(3, 4), backing[2:14].reshape(3, 4)
+    reads[:] = [[0, 0, 8, 0], [0, 10, 8, 8], [0, 20, 4, 16]]
+    native.stage_read(buf, [str(tmp_path / "f")], np.zeros((1, 6), np.int64), reads, out, 24, 1)
+    assert out.tolist() == [[0, 0, 0, 8], [0, 0, 8, 8], [0, 0, 16, 4]]  # (status OK, detail, at, bytes read)
+    assert buf[:20].tobytes() == data[:8] + data[10:18] + data[20:24] and (buf[20:] == 0xA5).all()
+    assert _guards_intact(whole)
+
+
+def test_an_entry_s_ident_is_read_as_it_was_checked_whatever_the_call_writes(tmp_path):
+    """``out`` over ``idents``: the first entry's stat wrote its payload's size (8000) where the second's ident
+    length was, past the 4 KiB an ident may take, and the second entry's header and ident were read into a
+    stack buffer of that room (4 KiB and 24 bytes) 8024 bytes long: a stack overflow of the file's bytes. The
+    idents are the call's own copy, as checked: the first entry is sound, the second is too long for its bound."""
+    payload = bytes(range(256)) * 31 + bytes(64)  # 8000 bytes
+    head = b"STKC1\n\0\0" + struct.pack("<IIQ", native.crc32c(b"abcd" + payload), 4, len(payload))
+    (tmp_path / "e0").write_bytes(head + b"abcd" + payload)
+    (tmp_path / "e1").write_bytes(b"\x22" * (24 + 8000 + 10))
+    whole, buf = _guarded(8010)
+    backing = np.zeros(10, np.int64)
+    idents, out = backing[:4].reshape(2, 2), backing[2:10].reshape(2, 4)
+    idents[:] = [[0, 4], [4, 4]]
+    reads = np.array([[0, -2, 8000, 0], [1, -2, 10, 0]], np.int64)
+    native.stage_read(buf, [str(tmp_path / "e0"), str(tmp_path / "e1")], np.zeros((2, 6), np.int64), reads, out,
+                      0, 1, b"abcdefgh", idents)
+    assert out[:, native_reads.STATUS].tolist() == [native_reads.ST_OK, native_reads.ST_ENTRY]
+    assert buf[:8000].tobytes() == payload and (buf[8000:] == 0xA5).all() and _guards_intact(whole)
 
 
 @fuzz(60)
