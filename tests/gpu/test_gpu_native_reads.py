@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import struct
 
+import numcodecs
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -908,6 +909,22 @@ def test_a_chunk_outside_the_input_is_a_value_error():
     for ins, sizes in (([0], [33]), ([-1], [4]), ([30], [4])):
         with pytest.raises(ValueError):
             native_reads.parse_blosc_batch(buf, ins, sizes, [16])
+
+
+def test_a_chunk_whose_output_ends_past_int64_is_a_value_error():
+    """A chunk's output at 2**63 - 1: each block's destination (out + block * blocksize) overflowed int64 (UBSan:
+    signed integer overflow) and came back negative. Refused before any frame is parsed; one that ends at
+    2**63 - 1 exactly is parsed."""
+    data = (np.arange(1 << 17, dtype=np.int32) % 7).tobytes()  # several blocks
+    frame = np.frombuffer(numcodecs.Blosc(cname="lz4", clevel=5, shuffle=1).encode(data), np.uint8).copy()
+    fault = np.zeros(1, np.int64)
+    for out in (2**63 - 1, 2**63 - len(data)):
+        with pytest.raises(ValueError, match="output"):
+            native.blosc_streams(frame, np.array([[0, len(frame), len(data), out]], np.int64), fault)
+    streams, _ = native.blosc_streams(frame, np.array([[0, len(frame), len(data), 2**63 - 1 - len(data)]],
+                                                      np.int64), fault)
+    dst = np.frombuffer(streams, np.int64).reshape(-1, 6)[:, 2]
+    assert fault[0] == 0 and len(dst) > 1 and (dst >= 2**63 - 1 - len(data)).all()
 
 
 BF_CHANGED = 17  # csrc/staging.h: a frame whose bytes changed between the count of its rows and their writing
