@@ -1176,6 +1176,21 @@ def test_plan_grid_arguments(work, data):
 
 
 @pytest.mark.skipif(native.plan_grid is None, reason="the compiled grid planner is not built")
+@pytest.mark.parametrize("which, wrong", [(0, np.array([[2.0]])), (2, np.array([4.0])), (1, np.zeros(8, np.uint8)),
+                                          (3, np.array([3, 0], np.int32))])
+def test_plan_grid_refuses_buffers_that_are_not_int64(which, wrong):
+    """A buffer of another type whose length is a multiple of 8 bytes was read as int64 all the same: starts of
+    float64 2.0 planned a crop at 2**62; eight uint8 or two int32 read as one int64. Refused, as the other
+    planners refuse them."""
+    args = [np.array([[2]], np.int64), np.array([0], np.int64), np.array([4], np.int64), np.array([[3]], np.int64),
+            np.array([[1]], np.int64), np.array([2], np.int64)]
+    native.plan_grid(*args)  # int64: planned
+    args[which] = wrong
+    with pytest.raises(ValueError, match="int64"):
+        native.plan_grid(*args)
+
+
+@pytest.mark.skipif(native.plan_grid is None, reason="the compiled grid planner is not built")
 @pytest.mark.parametrize("start, chunk, stride, itemsize", [
     (2**59 + 5, 2**62, 1, 16),      # a span in bytes past 2**63 (elements times the item size)
     (2**62, 2**62, 1, 1),           # a chunk whose end is past the largest index

@@ -14,7 +14,9 @@ random seed (as tests/engine/test_native_fuzz.py).
 from __future__ import annotations
 
 import os
+import struct
 
+import numcodecs
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -169,6 +171,42 @@ def test_a_plan_outside_the_staging_is_refused_before_any_read(tmp_path):
     with pytest.raises(ValueError):  # whole files placed from past the end
         native_reads.read(buf, [str(tmp_path / "f")], np.zeros((1, 6), np.int64), np.array([[0, -1, 4, 0]]), 17, 1)
     assert buf == bytearray(16)
+
+
+def test_tables_the_call_writes_into_are_read_as_they_were_checked(tmp_path):
+    """``out`` overlapping ``reads`` (a view of the same memory, two values on): the call read the status rows it
+    wrote back as reads, file -1 among them (a path and an identity row before the tables' start: out of bounds).
+    The call reads its own copies of the tables, as checked, and writes ``out`` once its reads are done."""
+    data = bytes(range(40))
+    (tmp_path / "f").write_bytes(data)
+    whole, buf = _guarded(24)
+    backing = np.zeros(16, np.int64)
+    reads, out = backing[:12].reshape(3, 4), backing[2:14].reshape(3, 4)
+    reads[:] = [[0, 0, 8, 0], [0, 10, 8, 8], [0, 20, 4, 16]]
+    native.stage_read(buf, [str(tmp_path / "f")], np.zeros((1, 6), np.int64), reads, out, 24, 1)
+    assert out.tolist() == [[0, 0, 0, 8], [0, 0, 8, 8], [0, 0, 16, 4]]  # (status OK, detail, at, bytes read)
+    assert buf[:20].tobytes() == data[:8] + data[10:18] + data[20:24] and (buf[20:] == 0xA5).all()
+    assert _guards_intact(whole)
+
+
+def test_an_entry_s_ident_is_read_as_it_was_checked_whatever_the_call_writes(tmp_path):
+    """``out`` over ``idents``: the first entry's stat wrote its payload's size (8000) where the second's ident
+    length was, past the 4 KiB an ident may take, and the second entry's header and ident were read into a
+    stack buffer of that room (4 KiB and 24 bytes) 8024 bytes long: a stack overflow of the file's bytes. The
+    idents are the call's own copy, as checked: the first entry is sound, the second is too long for its bound."""
+    payload = bytes(range(256)) * 31 + bytes(64)  # 8000 bytes
+    head = b"STKC1\n\0\0" + struct.pack("<IIQ", native.crc32c(b"abcd" + payload), 4, len(payload))
+    (tmp_path / "e0").write_bytes(head + b"abcd" + payload)
+    (tmp_path / "e1").write_bytes(b"\x22" * (24 + 8000 + 10))
+    whole, buf = _guarded(8010)
+    backing = np.zeros(10, np.int64)
+    idents, out = backing[:4].reshape(2, 2), backing[2:10].reshape(2, 4)
+    idents[:] = [[0, 4], [4, 4]]
+    reads = np.array([[0, -2, 8000, 0], [1, -2, 10, 0]], np.int64)
+    native.stage_read(buf, [str(tmp_path / "e0"), str(tmp_path / "e1")], np.zeros((2, 6), np.int64), reads, out,
+                      0, 1, b"abcdefgh", idents)
+    assert out[:, native_reads.STATUS].tolist() == [native_reads.ST_OK, native_reads.ST_ENTRY]
+    assert buf[:8000].tobytes() == payload and (buf[8000:] == 0xA5).all() and _guards_intact(whole)
 
 
 @fuzz(60)
@@ -871,6 +909,22 @@ def test_a_chunk_outside_the_input_is_a_value_error():
     for ins, sizes in (([0], [33]), ([-1], [4]), ([30], [4])):
         with pytest.raises(ValueError):
             native_reads.parse_blosc_batch(buf, ins, sizes, [16])
+
+
+def test_a_chunk_whose_output_ends_past_int64_is_a_value_error():
+    """A chunk's output at 2**63 - 1: each block's destination (out + block * blocksize) overflowed int64 (UBSan:
+    signed integer overflow) and came back negative. Refused before any frame is parsed; one that ends at
+    2**63 - 1 exactly is parsed."""
+    data = (np.arange(1 << 17, dtype=np.int32) % 7).tobytes()  # several blocks
+    frame = np.frombuffer(numcodecs.Blosc(cname="lz4", clevel=5, shuffle=1).encode(data), np.uint8).copy()
+    fault = np.zeros(1, np.int64)
+    for out in (2**63 - 1, 2**63 - len(data)):
+        with pytest.raises(ValueError, match="output"):
+            native.blosc_streams(frame, np.array([[0, len(frame), len(data), out]], np.int64), fault)
+    streams, _ = native.blosc_streams(frame, np.array([[0, len(frame), len(data), 2**63 - 1 - len(data)]],
+                                                      np.int64), fault)
+    dst = np.frombuffer(streams, np.int64).reshape(-1, 6)[:, 2]
+    assert fault[0] == 0 and len(dst) > 1 and (dst >= 2**63 - 1 - len(data)).all()
 
 
 BF_CHANGED = 17  # csrc/staging.h: a frame whose bytes changed between the count of its rows and their writing

@@ -105,6 +105,29 @@ def test_what_it_leaves_to_numpy_and_what_it_refuses():
         weighted.mean_into(ro, [(np.ones((1, 4, 4), np.float32), (0, 0), win)])
 
 
+@compiled
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_unaligned_buffers_are_numpy_s_or_refused(dtype):
+    """Arrays whose elements are not on their alignment (an offset into a buffer, a packed record's field) were
+    read and written in place as float and double: undefined behaviour (UBSan: a misaligned store). mean_into
+    leaves such an output or part to numpy (False); blend_mean refuses them, and unaligned windows."""
+    size = np.dtype(dtype).itemsize
+    unaligned = np.frombuffer(bytearray(size * 16 + 1), dtype, offset=1).reshape(1, 4, 4)
+    packed = np.zeros((1, 4, 4), [("pad", "u1"), ("v", dtype)])["v"]  # stride size + 1
+    win = (np.ones(4), np.ones(4))
+    odd_window = np.frombuffer(bytearray(8 * 4 + 1), np.float64, offset=1)
+    for bad in (unaligned, packed):
+        assert not bad.flags.aligned
+        assert not weighted.mean_into(bad, [(np.ones((1, 4, 4), dtype), (0, 0), win)])
+        assert not weighted.mean_into(np.zeros((1, 4, 4), dtype), [(bad, (0, 0), win)])
+        with pytest.raises(ValueError, match="aligned"):
+            weighted.native_mean(bad, [(np.ones((1, 4, 4), dtype), (0, 0), win)])
+        with pytest.raises(ValueError, match="aligned"):
+            weighted.native_mean(np.zeros((1, 4, 4), dtype), [(bad, (0, 0), win)])
+    with pytest.raises(ValueError, match="aligned"):
+        weighted.native_mean(np.zeros((1, 4, 4), dtype), [(np.ones((1, 4, 4), dtype), (0, 0), (odd_window, win[1]))])
+
+
 # the benchmark's layout, small: the last tiles shifted back, so the planned regions' output boxes overlap
 SHAPE, TILE, STRIDE, CROP, CHUNKS = (44, 60, 58), (24, 24, 24), (16, 16, 16), 4, (16, 16, 16)
 

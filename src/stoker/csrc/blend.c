@@ -39,6 +39,18 @@ static int float_kind(const Py_buffer *b) {
     return t == 'f' && b->itemsize == 4 ? 1 : t == 'd' && b->itemsize == 8 ? 2 : 0;
 }
 
+/* Whether every element of b lies on its type's alignment (its start and every stride a multiple of the item
+ * size): they are read and written in place as float and double. numpy makes arrays that are not (an offset
+ * into a buffer, a field of a packed record); those are left to numpy (weighted.mean_into) or refused here. */
+static int aligned_items(const Py_buffer *b) {
+    if ((uintptr_t)b->buf % (uintptr_t)b->itemsize)
+        return 0;
+    for (int a = 0; b->strides != NULL && a < b->ndim; a++)
+        if (b->strides[a] % b->itemsize)
+            return 0;
+    return 1;
+}
+
 static void release_parts(blend_part *parts, Py_ssize_t n) {
     for (Py_ssize_t i = 0; i < n; i++) {
         for (int k = 0; k < parts[i].held; k++)
@@ -148,9 +160,9 @@ static PyObject *blend_mean_py(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_ssize_t nparts = 0;
     double *scratch = NULL;
     const int kind = float_kind(&out);
-    if (kind == 0 || out.ndim < 2 || out.ndim > BLEND_MAXD) {
-        PyErr_Format(PyExc_ValueError, "blend_mean: the output must be float32 or float64 with 2 to %d axes",
-                     BLEND_MAXD);
+    if (kind == 0 || out.ndim < 2 || out.ndim > BLEND_MAXD || !aligned_items(&out)) {
+        PyErr_Format(PyExc_ValueError, "blend_mean: the output must be float32 or float64 with 2 to %d axes, "
+                     "its elements aligned", BLEND_MAXD);
         goto done;
     }
     if ((seq = tuple_of(parts_obj, "blend_mean's parts")) == NULL)
@@ -174,9 +186,9 @@ static PyObject *blend_mean_py(PyObject *Py_UNUSED(self), PyObject *args) {
             goto done;
         p->held = 1;
         int vk = float_kind(&p->values);
-        if (vk == 0 || p->values.ndim != nd || p->values.shape[0] != out.shape[0]) {
+        if (vk == 0 || p->values.ndim != nd || p->values.shape[0] != out.shape[0] || !aligned_items(&p->values)) {
             PyErr_SetString(PyExc_ValueError, "blend_mean: a part's values must be float32 or float64 with the "
-                                              "output's axes and lanes");
+                                              "output's axes and lanes, their elements aligned");
             goto done;
         }
         p->f64 = vk == 2;
@@ -199,8 +211,10 @@ static PyObject *blend_mean_py(PyObject *Py_UNUSED(self), PyObject *args) {
                 0)
                 goto done;
             p->held = a + 1;
-            if (float_kind(&p->win[a]) != 2 || p->win[a].ndim != 1 || p->win[a].shape[0] != p->values.shape[a]) {
-                PyErr_SetString(PyExc_ValueError, "blend_mean: a window is float64, as long as the part's axis");
+            if (float_kind(&p->win[a]) != 2 || p->win[a].ndim != 1 || p->win[a].shape[0] != p->values.shape[a] ||
+                !aligned_items(&p->win[a])) {
+                PyErr_SetString(PyExc_ValueError, "blend_mean: a window is float64, aligned, as long as the part's "
+                                                  "axis");
                 goto done;
             }
         }

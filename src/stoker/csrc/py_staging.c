@@ -269,6 +269,7 @@ static PyObject *stage_read_py(PyObject *Py_UNUSED(self), PyObject *args, PyObje
     Py_buffer buf, files, reads, out, idents;
     int have = 0, have_idents = 0; /* buffers taken so far */
     stage_plan p = {0};
+    int64_t *own = NULL; /* the tables' copies (see below) */
     long long n_out, n_idents = 0;
     if (PyObject_GetBuffer(buf_obj, &buf, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0)
         goto done;
@@ -297,17 +298,38 @@ static PyObject *stage_read_py(PyObject *Py_UNUSED(self), PyObject *args, PyObje
             PyErr_SetString(PyExc_ValueError, "stage_read: one idents row per read");
             goto done;
         }
-        p.idents = idents.buf;
         p.ident_blob = PyBytes_AS_STRING(blob_obj); /* (immutable, held by args for the call) */
         p.ident_blob_len = (long long)PyBytes_GET_SIZE(blob_obj);
     }
+    /* The tables are the call's own copies, made with the GIL held, checked, and read while it is released;
+     * ``out`` is written into a copy of its own too, handed back at the end. The caller's arrays may share memory
+     * (``out`` over ``reads`` or ``idents``: the reads would read back the rows they write, a length or an ident
+     * length never checked) or change meanwhile (another thread): what is read is what was checked. */
+    size_t n_reads = (size_t)p.n_reads, n_files = (size_t)p.n_files;
+    own = PyMem_Malloc(sizeof(int64_t) * (n_files * STAGE_FILE_COLS + n_reads * (STAGE_READ_COLS + STAGE_OUT_COLS +
+                                                                                 (idents_obj != NULL ? 2 : 0)) + 1));
+    if (own == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int64_t *own_files = own, *own_reads = own_files + n_files * STAGE_FILE_COLS;
+    int64_t *own_out = own_reads + n_reads * STAGE_READ_COLS, *own_idents = own_out + n_reads * STAGE_OUT_COLS;
+    if (n_files)
+        memcpy(own_files, files.buf, sizeof(int64_t) * n_files * STAGE_FILE_COLS);
+    if (n_reads)
+        memcpy(own_reads, reads.buf, sizeof(int64_t) * n_reads * STAGE_READ_COLS);
+    if (idents_obj != NULL) {
+        if (n_reads)
+            memcpy(own_idents, idents.buf, sizeof(int64_t) * n_reads * 2);
+        p.idents = own_idents;
+    }
     p.paths = cpaths;
-    p.files = files.buf;
-    p.reads = reads.buf;
+    p.files = own_files;
+    p.reads = own_reads;
     p.buf = buf.buf;
     p.buf_len = (long long)buf.len;
     p.whole_base = whole_base;
-    p.out = out.buf;
+    p.out = own_out;
     p.cancel = cancel;
     const char *error = NULL;
     if (stage_check(&p, &error) < 0) {
@@ -317,8 +339,11 @@ static PyObject *stage_read_py(PyObject *Py_UNUSED(self), PyObject *args, PyObje
     Py_BEGIN_ALLOW_THREADS
     stage_read_on(&p, threads, pool); /* (the capsule, held by args, outlives the call) */
     Py_END_ALLOW_THREADS
+    if (n_reads)
+        memcpy(out.buf, own_out, sizeof(int64_t) * n_reads * STAGE_OUT_COLS);
     result = Py_BuildValue("(LL)", p.opens, p.preads);
 done:
+    PyMem_Free(own);
     if (have_idents)
         PyBuffer_Release(&idents);
     if (have >= 4)

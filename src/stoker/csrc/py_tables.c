@@ -15,17 +15,12 @@ static PyObject *plan_grid_py(PyObject *Py_UNUSED(self), PyObject *args) {
     if (!PyArg_ParseTuple(args, "OOOOOO", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5]))
         return NULL;
     Py_buffer b[6] = {{0}};
-    int held = 0;
+    /* int64 by their format (as plan_crops takes them): a float64 or uint8 buffer whose length is a multiple of
+     * 8 bytes was read as int64 all the same */
+    if (int64_buffers(objs, b, 6, "plan_grid"))
+        return NULL;
+    int held = 6;
     PyObject *result = NULL;
-    for (; held < 6; held++) {
-        if (PyObject_GetBuffer(objs[held], &b[held], PyBUF_C_CONTIGUOUS) != 0)
-            goto done;
-        if (b[held].len % (Py_ssize_t)sizeof(int64_t) || (uintptr_t)b[held].buf % _Alignof(int64_t)) {
-            PyBuffer_Release(&b[held]);
-            PyErr_SetString(PyExc_ValueError, "plan_grid takes aligned int64 buffers");
-            goto done;
-        }
-    }
     long long ndim = b[2].len / 8, n_samples = ndim ? b[0].len / 8 / ndim : 0, n_sources = b[5].len / 8;
     if (ndim < 1 || ndim > MAX_NDIM || b[0].len != n_samples * ndim * 8 || b[1].len != n_samples * 8 ||
         b[3].len != n_sources * ndim * 8 || b[4].len != n_sources * ndim * 8) {

@@ -635,8 +635,10 @@ int blosc_streams(const unsigned char *buf, long long buf_len, long long k, cons
     *n_streams = *n_blocks = 0;
     for (long long c = 0; c < k; c++)
         if (in[c] < 0 || in_len[c] < 0 || in[c] > buf_len || in_len[c] > buf_len - in[c] || nbytes[c] < 0 ||
-            out[c] < 0) {
-            *error = "blosc_streams: the chunks' stored bytes must lie inside the input, sizes >= 0";
+            out[c] < 0 || out[c] > INT64_MAX - nbytes[c]) {
+            /* (an output ending past int64: its blocks' destinations, out + block * blocksize, would overflow) */
+            *error = "blosc_streams: the chunks' stored bytes must lie inside the input, sizes >= 0, each output "
+                     "ending within int64";
             return -1;
         }
     long long ns = 0, nb = 0; /* counted first, then written into exactly that room (blosc_rows) */

@@ -45,10 +45,11 @@ def mean_into(out: np.ndarray, parts: Sequence[Part], lead: int = 1) -> bool:
     the parts' as well): a voxel several parts cover gets ``sum(w * v) / sum(w)`` in float64, rounded once to
     ``out``'s dtype; one part, its value cast as ``astype``; none, untouched. False (``out`` untouched) where
     this is left to numpy: no compiled engine, more channel axes, more than ``MAX_AXES - 1`` spatial axes, or
-    an output or a part that is not float32 or float64."""
+    an output or a part that is not float32 or float64, or whose elements are not aligned (an offset into a
+    buffer, a packed record's field: C reads them in place)."""
     view = lanes(out, lead)
-    if native_mean is None or view is None or view.ndim > MAX_AXES or out.dtype not in FLOATS or any(v.dtype not in FLOATS
-                                                                             for v, _, _ in parts):
+    if native_mean is None or view is None or view.ndim > MAX_AXES or any(
+            a.dtype not in FLOATS or not a.flags.aligned for a in (out, *(v for v, _, _ in parts))):
         return False
     native_mean(view, [(lanes(v, lead), tuple(int(o) for o in offsets), tuple(windows))
                        for v, offsets, windows in parts])
