@@ -68,13 +68,21 @@ def test_a_nested_dataset_path_is_the_level_it_names(tmp_path, fmt):
 
 
 def test_a_nested_level_inside_an_image_with_its_own_labels(tmp_path):
-    """An image group's own multiscales win: a label image nested under ``labels/`` is its own pyramid."""
+    """An image group's own multiscales win: a label image nested under ``labels/`` is its own pyramid. The
+    outer image's levels have the label image's level names but other ratios (4 and 16 against 2 and 4), so
+    a label level resolved against the outer image's multiscales gives another answer than its own."""
     image = str(tmp_path / "img.zarr")
-    _image(image, ["0", "1"], [1, 2], 2)
+    _image(image, ["0", "1", "2"], [1, 4, 16], 2)
     _image(f"{image}/labels/cells", ["0", "1", "2"], [1, 2, 4], 2)
-    assert level_scale(f"{image}/1") == (1, 2, 2)
-    assert level_scale(f"{image}/labels/cells/2") == (1, 4, 4)
+    zarr.open_group(f"{image}/labels", mode="a", zarr_format=2).attrs["labels"] = ["cells"]  # as the spec has it
+
+    assert _ome_zarr_ratios(image) == [(1, 1, 1), (1, 4, 4), (1, 16, 16)]
+    want = _ome_zarr_ratios(f"{image}/labels/cells")
+    assert want == [(1, 1, 1), (1, 2, 2), (1, 4, 4)]
+    assert level_scale(f"{image}/1") == (1, 4, 4)
+    assert level_scale(f"{image}/2") == (1, 16, 16)
     assert level_scale(f"{image}/labels/cells/0") is None
+    assert [level_scale(f"{image}/labels/cells/{level}") for level in ("1", "2")] == want[1:]
     np.testing.assert_array_equal(zarr.open_array(f"{image}/labels/cells/2")[0, 0, :2], [4, 4])
 
 
