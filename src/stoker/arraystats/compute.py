@@ -42,7 +42,7 @@ from ..errors import InvalidArgument, NonFiniteData, StokerError
 from ..reader.array import ArrayReader, open_array
 from ..reader.coords import coding
 from ..records import sidecar
-from ..records.moments import F64, Moments, two_sum
+from ..records.moments import F64, Moments
 from ..records.stats import FieldStats, cached_entry
 from ..storage.artifacts import dataset_identity
 from ..storage.local import LocalStore
@@ -150,11 +150,8 @@ def _moments(x: np.ndarray, channel_axis: int | None) -> Moments:
             lo = np.where(finite, x, np.inf).min(axis=0)
             hi = np.where(finite, x, -np.inf).max(axis=0)
             skipped = (n - kept).astype(np.int64)
-    parts = [torch.from_numpy(np.ascontiguousarray(a)) for a in (mean, m2, lo, hi, skipped, rest)]
-    parts[0], parts[5] = two_sum(parts[0], torch.where(torch.isfinite(parts[5]), parts[5], 0.0))
-    if channels is None:
-        parts = [p[0] for p in parts]
-    return Moments(n, *parts)
+    return Moments.two_pass(n, channels, *(torch.from_numpy(np.ascontiguousarray(a))
+                                           for a in (mean, m2, lo, hi, skipped, rest)))
 
 
 def _check_array(reader: ArrayReader, channel_axis: int | None) -> None:
