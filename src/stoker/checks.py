@@ -34,10 +34,29 @@ def integer(name: str, value: Any, low: int, *, optional: bool = False, **contex
     """
     if value is None and optional:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+    if not _integral(value) or value < low:
         allowed = f"an integer >= {low}" + (" or None" if optional else "")
         raise InvalidArgument(f"{name} must be {allowed}, got {value!r}", **context)
     return int(value)
+
+
+def int64(name: str, value: Any, **context: Any) -> int:
+    """``value`` as an ``int`` when it is an integer in int64's range (a seed or salt numpy hashes as one),
+    as :func:`integer` counts integers: a float would be truncated (seed 0.5 drawing what 0 draws), one
+    past int64 is numpy's OverflowError. ``context`` is attached to the error.
+
+    >>> int64("seed", 2**63)
+    Traceback (most recent call last):
+    stoker.errors.InvalidArgument: seed must be an int64 integer, got 9223372036854775808
+    """
+    if not _integral(value) or not -2**63 <= value < 2**63:
+        raise InvalidArgument(f"{name} must be an int64 integer, got {value!r}", **context)
+    return int(value)
+
+
+def _integral(value: Any) -> bool:
+    """An integer, numpy's too; not a bool, which Python counts as one."""
+    return not isinstance(value, bool) and isinstance(value, numbers.Integral)
 
 
 def integers(name: str, values: Any, low: int | None, **context: Any) -> tuple[int, ...]:
@@ -66,7 +85,7 @@ def _whole(value: Any) -> bool:
     """An integer (numpy's too) or a float holding one; not a bool."""
     if isinstance(value, bool):
         return False
-    return isinstance(value, numbers.Integral) or (isinstance(value, numbers.Real) and float(value).is_integer())
+    return _integral(value) or (isinstance(value, numbers.Real) and float(value).is_integer())
 
 
 @overload

@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 import zarr
 
+from stoker.reader.array import open_array
 from stoker.reader.ome import level_scale
+from stoker.storage.locate import Stores
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -35,6 +37,16 @@ def _image(path: str, paths: list[str], factors: list[int], fmt: int) -> None:
         g.attrs["ome"] = {"version": "0.5", "multiscales": [multiscale]}
 
 
+def _ome_zarr_ratios(image: str) -> list[tuple[int, ...]]:
+    """Per level of the image at ``image``, its scale over level 0's, as ome-zarr-py reads the image."""
+    ome_zarr = pytest.importorskip("ome_zarr.reader")
+    from ome_zarr.io import parse_url
+
+    node = next(iter(ome_zarr.Reader(parse_url(image))()))
+    scales = [t[0]["scale"] for t in node.metadata["coordinateTransformations"]]
+    return [tuple(int(round(m / b)) for m, b in zip(s, scales[0])) for s in scales]
+
+
 @pytest.mark.parametrize("fmt", [2, 3])
 def test_a_nested_dataset_path_is_the_level_it_names(tmp_path, fmt):
     """A dataset ``path`` is relative to the image group and may hold ``/`` (the spec's "path to the array
@@ -56,13 +68,21 @@ def test_a_nested_dataset_path_is_the_level_it_names(tmp_path, fmt):
 
 
 def test_a_nested_level_inside_an_image_with_its_own_labels(tmp_path):
-    """An image group's own multiscales win: a label image nested under ``labels/`` is its own pyramid."""
+    """An image group's own multiscales win: a label image nested under ``labels/`` is its own pyramid. The
+    outer image's levels have the label image's level names but other ratios (4 and 16 against 2 and 4), so
+    a label level resolved against the outer image's multiscales gives another answer than its own."""
     image = str(tmp_path / "img.zarr")
-    _image(image, ["0", "1"], [1, 2], 2)
+    _image(image, ["0", "1", "2"], [1, 4, 16], 2)
     _image(f"{image}/labels/cells", ["0", "1", "2"], [1, 2, 4], 2)
-    assert level_scale(f"{image}/1") == (1, 2, 2)
-    assert level_scale(f"{image}/labels/cells/2") == (1, 4, 4)
+    zarr.open_group(f"{image}/labels", mode="a", zarr_format=2).attrs["labels"] = ["cells"]  # as the spec has it
+
+    assert _ome_zarr_ratios(image) == [(1, 1, 1), (1, 4, 4), (1, 16, 16)]
+    want = _ome_zarr_ratios(f"{image}/labels/cells")
+    assert want == [(1, 1, 1), (1, 2, 2), (1, 4, 4)]
+    assert level_scale(f"{image}/1") == (1, 4, 4)
+    assert level_scale(f"{image}/2") == (1, 16, 16)
     assert level_scale(f"{image}/labels/cells/0") is None
+    assert [level_scale(f"{image}/labels/cells/{level}") for level in ("1", "2")] == want[1:]
     np.testing.assert_array_equal(zarr.open_array(f"{image}/labels/cells/2")[0, 0, :2], [4, 4])
 
 
@@ -74,5 +94,98 @@ def test_a_nested_level_over_http_is_found_as_locally(tmp_path):
     try:
         assert level_scale(f"{server.url}/img.zarr/s/1") == (1, 2, 2)
         assert level_scale(f"{server.url}/img.zarr/s/0") is None
+    finally:
+        server.shutdown()
+
+
+def _asked(server, call):
+    """``(what call returned, the paths the server was asked for meanwhile)``."""
+    mark = len(server.paths)
+    got = call()
+    return got, server.paths[mark:]
+
+
+def _lookups(root, path: str) -> list[tuple]:
+    """Serving ``root``: the array at ``path`` opened in a :class:`Stores`, then its level looked up there
+    twice and once in fresh stores; each lookup's ``(scale, paths the server was asked for meanwhile)``."""
+    from range_server import RangeServer
+
+    server = RangeServer(str(root))
+    uri = f"{server.url}/{path}"
+    stores, fresh = Stores(), Stores()
+    try:
+        open_array(uri, stores=stores)
+        return [_asked(server, lambda: level_scale(uri, None, where)) for where in (stores, stores, fresh)]
+    finally:
+        stores.close()
+        fresh.close()
+        server.shutdown()
+
+
+# What one lookup asks once the array was opened in the same stores (which read its parent groups' zarr.json
+# and .zmetadata looking for consolidated metadata), and in fresh stores; the second lookup asks nothing.
+# Under www/ (a folder, no group), so the walk has a non-group to stop at.
+_PLAIN = {
+    3: ([],  # every ancestor's zarr.json was read by the open: a, data.zarr, and www's absence
+        ["/www/data.zarr/a/zarr.json", "/www/data.zarr/zarr.json", "/www/zarr.json"]),
+    2: (["/www/data.zarr/a/.zattrs", "/www/data.zarr/.zattrs", "/www/.zattrs", "/www/.zgroup"],  # www: no group
+        ["/www/data.zarr/a/zarr.json", "/www/data.zarr/a/.zattrs", "/www/data.zarr/.zattrs", "/www/.zattrs",
+         "/www/.zgroup"]),
+}
+
+
+@pytest.mark.parametrize("fmt", [2, 3])
+def test_a_plain_nested_array_over_http_asks_each_group_once(tmp_path, fmt):
+    """An array that is no OME level (``data.zarr/a/b``): the lookup asks each group above it once for its
+    attributes, through the metadata its open already read, stops at the first folder that is no group,
+    and asks nothing when asked again."""
+    root = tmp_path / "www" / "data.zarr"
+    zarr.open_group(str(root), mode="w", zarr_format=fmt).create_array("a/b", shape=(4,), chunks=(2,), dtype="u1")
+    ome_zarr = pytest.importorskip("ome_zarr.reader")
+    from ome_zarr.io import parse_url
+
+    for group in (root, root / "a"):  # no image: ome-zarr-py finds no multiscales at either
+        assert not [n for n in ome_zarr.Reader(parse_url(str(group)))()
+                    if any(isinstance(spec, ome_zarr.Multiscales) for spec in n.specs)]
+    after_open, alone = _PLAIN[fmt]
+    assert _lookups(tmp_path, "www/data.zarr/a/b") == [(None, after_open), (None, []), (None, alone)]
+
+
+# As _PLAIN, for level s/1 of an image at www/img.zarr (nested dataset paths: the group s between them).
+_LEVEL = {
+    3: ([],  # 0.5: the open read s's and img.zarr's zarr.json, the multiscales with it
+        ["/www/img.zarr/s/zarr.json", "/www/img.zarr/zarr.json"]),
+    2: (["/www/img.zarr/s/.zattrs", "/www/img.zarr/.zattrs"],  # 0.4: the open read s's zarr.json, .zmetadata
+        ["/www/img.zarr/s/zarr.json", "/www/img.zarr/s/.zattrs", "/www/img.zarr/.zattrs"]),
+}
+
+
+@pytest.mark.parametrize("fmt", [2, 3])
+def test_an_ome_level_over_http_asks_only_the_groups_up_to_its_image(tmp_path, fmt):
+    """A level of an OME-Zarr image (0.4 and 0.5) is found with its image group's multiscales read once,
+    and the groups between, nothing above; its scale is ome-zarr-py's."""
+    image = tmp_path / "www" / "img.zarr"
+    _image(str(image), ["s/0", "s/1"], [1, 2], fmt)
+    want = _ome_zarr_ratios(str(image))[1]
+    after_open, alone = _LEVEL[fmt]
+    assert _lookups(tmp_path, "www/img.zarr/s/1") == [(want, after_open), (want, []), (want, alone)]
+
+
+def test_a_v2_group_without_attributes_is_still_a_group_on_the_way_up(tmp_path):
+    """A v2 group written with no ``.zattrs`` (zarr-python 2 writes none for a group without attributes):
+    its ``.zgroup`` says it is a group, so a nested level below it still finds its image above."""
+    import os
+
+    image = tmp_path / "img.zarr"
+    _image(str(image), ["s/0", "s/1"], [1, 4], 2)
+    os.remove(image / "s" / ".zattrs")
+    assert level_scale(f"{image}/s/1") == tuple(_ome_zarr_ratios(str(image))[1]) == (1, 4, 4)
+    from range_server import RangeServer
+
+    server = RangeServer(str(tmp_path))
+    try:
+        got, asked = _asked(server, lambda: level_scale(f"{server.url}/img.zarr/s/1"))
+        assert got == (1, 4, 4)
+        assert asked == ["/img.zarr/s/zarr.json", "/img.zarr/s/.zattrs", "/img.zarr/s/.zgroup", "/img.zarr/.zattrs"]
     finally:
         server.shutdown()

@@ -37,12 +37,12 @@ import numpy as np
 import torch
 
 from ..checks import integer, seconds
-from ..dist.collectives import all_gather, barrier, group_position, rank_info
+from ..dist.collectives import STATUS_FOUND, all_gather, barrier, group_position, rank_info, status_header
 from ..errors import InvalidArgument, NonFiniteData, StokerError
 from ..reader.array import ArrayReader, open_array
 from ..reader.coords import coding
 from ..records import sidecar
-from ..records.moments import F64, Moments, two_sum
+from ..records.moments import F64, Moments
 from ..records.stats import FieldStats, cached_entry
 from ..storage.artifacts import dataset_identity
 from ..storage.local import LocalStore
@@ -59,7 +59,6 @@ MAX_BLOCKS = 1024
 #: Longest wait for one unit's read (a read stuck on a hung mount is an error, not a hang).
 READ_TIMEOUT_S = 600.0
 _NONFINITE = ("skip", "raise")
-_OK, _FAILED, _FOUND = 0, 1, 2
 
 
 # -- the units: read chunks inside the region ---------------------------------------------------------
@@ -151,11 +150,8 @@ def _moments(x: np.ndarray, channel_axis: int | None) -> Moments:
             lo = np.where(finite, x, np.inf).min(axis=0)
             hi = np.where(finite, x, -np.inf).max(axis=0)
             skipped = (n - kept).astype(np.int64)
-    parts = [torch.from_numpy(np.ascontiguousarray(a)) for a in (mean, m2, lo, hi, skipped, rest)]
-    parts[0], parts[5] = two_sum(parts[0], torch.where(torch.isfinite(parts[5]), parts[5], 0.0))
-    if channels is None:
-        parts = [p[0] for p in parts]
-    return Moments(n, *parts)
+    return Moments.two_pass(n, channels, *(torch.from_numpy(np.ascontiguousarray(a))
+                                           for a in (mean, m2, lo, hi, skipped, rest)))
 
 
 def _check_array(reader: ArrayReader, channel_axis: int | None) -> None:
@@ -239,15 +235,10 @@ def _merge_ranks(reader: ArrayReader, units: Units, local: list[Moments], error:
     """Every block's moments on every rank (one header collective, then one all_gather), merged in block
     order: the same bits on every rank and for every world size."""
     _, world = group_position(group)
-    status = _FAILED if error is not None else _FOUND if found is not None else _OK
-    headers = all_gather(torch.tensor([status, *(found or (-1, 0))], dtype=torch.int64), group)
-    failed = [r for r, h in enumerate(headers) if int(h[0]) == _FAILED]
-    if failed:
-        if error is not None:
-            raise error
-        raise StokerError(f"computing the statistics of {reader.uri} failed on rank(s) {failed}; the cause is "
-                          "raised there", ranks=failed, uri=reader.uri)
-    finds = sorted((int(h[1]), int(h[2])) for h in headers if int(h[0]) == _FOUND)
+    headers = status_header(error, found is not None, found or (-1, 0), group, lambda failed: StokerError(
+        f"computing the statistics of {reader.uri} failed on rank(s) {failed}; the cause is raised there",
+        ranks=failed, uri=reader.uri))
+    finds = sorted((int(h[1]), int(h[2])) for h in headers if int(h[0]) == STATUS_FOUND)
     if finds:  # the first unit of the array holding any, whichever rank found it
         raise _nonfinite(reader, units, *finds[0])
     rows = -(-n_blocks // world)
@@ -354,13 +345,9 @@ def _one_array(uri: str, region: Any, channel_axis: int | None, nonfinite: str, 
     # Every rank says whether it could open the array, and what it sees, before any of them waits for a claim
     # or a read: a rank that failed (a path its node lacks) or sees other data fails them all, none waits.
     mine = int(opened[3][:14], 16) if opened is not None and opened[3] else 0
-    headers = all_gather(torch.tensor([_FAILED if error is not None else _OK, mine], dtype=torch.int64), group)
-    failed = [r for r, h in enumerate(headers) if int(h[0]) == _FAILED]
-    if error is not None:
-        raise error
-    if failed:
-        raise StokerError(f"compute_stats: rank(s) {failed} could not open or identify {uri}; the cause is raised "
-                          "there", ranks=failed, uri=uri)
+    headers = status_header(error, False, [mine], group, lambda failed: StokerError(
+        f"compute_stats: rank(s) {failed} could not open or identify {uri}; the cause is raised there",
+        ranks=failed, uri=uri))
     assert opened is not None
     reader, box, axis, fp = opened
     if len({int(h[1]) for h in headers}) > 1:

@@ -8,6 +8,7 @@ import importlib
 import os
 import platform
 from pathlib import Path
+from typing import Callable
 
 from ..demo.volume import cache_dir
 from ..errors import InvalidArgument, MissingDependency
@@ -185,24 +186,39 @@ def _check_installed(args: argparse.Namespace, peers: set[str], fields: list[int
                                     extra="bench") from None
 
 
+#: Whether an option was given (other than its default), by the name the messages give it: what the crops
+#: suite's options told to the records suite, and scenarios 11 and 12's refusals, are asked of.
+_GIVEN: dict[str, Callable[[argparse.Namespace], bool]] = {
+    "--store": lambda a: bool(a.store),
+    "--device cuda": lambda a: a.device == "cuda",
+    "--scenarios": lambda a: bool(a.scenarios),
+    "--peers": lambda a: bool(a.peers),
+    "--rounds": lambda a: bool(a.rounds),
+    "--threads": lambda a: bool(a.threads),
+    "--thread-cpu": lambda a: bool(a.thread_cpu),
+    "--batch-size": lambda a: bool(a.batch_size),
+    "--step-ms": lambda a: a.step_ms is not None,  # more than 0, or "auto"
+    "--host-buffer-bytes": lambda a: bool(a.host_buffer_bytes),
+    "--slow-batches": lambda a: a.slow_batches != SLOW_BATCHES,
+    "--decode-on": lambda a: a.decode_on != "cpu",
+}
+
+
+def _given(args: argparse.Namespace, flags: tuple[str, ...]) -> list[str]:
+    """Those of ``flags`` (keys of :data:`_GIVEN`) given, in their order."""
+    return [flag for flag in flags if _GIVEN[flag](args)]
+
+
 def _crops_only(args: argparse.Namespace) -> list[str]:
     """The crops suite's options given to ``stoker bench records``, which would ignore them without a word."""
-    return [flag for flag, given in (("--device cuda", args.device == "cuda"), ("--scenarios", args.scenarios),
-                                     ("--peers", args.peers), ("--rounds", args.rounds), ("--threads", args.threads),
-                                     ("--thread-cpu", args.thread_cpu), ("--batch-size", args.batch_size),
-                                     ("--step-ms", args.step_ms is not None),
-                                     ("--host-buffer-bytes", args.host_buffer_bytes),
-                                     ("--slow-batches", args.slow_batches != SLOW_BATCHES),
-                                     ("--decode-on", args.decode_on != "cpu")) if given]
+    return _given(args, ("--device cuda", "--scenarios", "--peers", "--rounds", "--threads", "--thread-cpu",
+                         "--batch-size", "--step-ms", "--host-buffer-bytes", "--slow-batches", "--decode-on"))
 
 
 def _fields_refused(args: argparse.Namespace) -> list[str]:
     """The options given that scenarios 11 and 12 do not take."""
-    return [flag for flag, value in (("--store", args.store), ("--device cuda", args.device == "cuda"),
-                                     ("--threads", args.threads), ("--thread-cpu", args.thread_cpu),
-                                     ("--step-ms", args.step_ms),
-                                     ("--batch-size", args.batch_size),
-                                     ("--host-buffer-bytes", args.host_buffer_bytes)) if value]
+    return _given(args, ("--store", "--device cuda", "--threads", "--thread-cpu", "--step-ms", "--batch-size",
+                         "--host-buffer-bytes"))
 
 
 def _check_fields_args(args: argparse.Namespace, numbers: list[int], named: bool) -> None:

@@ -16,7 +16,7 @@ precompute, the Trainer and the reductions (:mod:`stoker.dist.reduce`, :mod:`sto
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -126,6 +126,28 @@ def all_gather(t: torch.Tensor, group: Any) -> list[torch.Tensor]:
     out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
     dist.all_gather(out, t, group=group)
     return [o.cpu() for o in out]
+
+
+#: A rank's status in :func:`status_header`: went well; failed (its error is raised on it, an error
+#: naming the failed ranks on the others); found something every rank raises alike (non-finite values).
+STATUS_OK, STATUS_FAILED, STATUS_FOUND = 0, 1, 2
+
+
+def status_header(error: BaseException | None, found: bool, values: Sequence[int], group: Any,
+                  failure: Callable[[list[int]], BaseException]) -> list[torch.Tensor]:
+    """Every rank's header ``[status, *values]`` (int64), in rank order, gathered before a collective that
+    a failed rank would never reach: so when any rank failed, all raise rather than the others waiting for
+    ever. A failed rank raises its ``error``, the others ``failure(failed ranks)`` (a StokerError that says
+    the cause is raised there). The status is STATUS_FAILED with an ``error``, else STATUS_FOUND when
+    ``found``, else STATUS_OK; ``values`` (as many on every rank) say what each rank saw."""
+    status = STATUS_FAILED if error is not None else STATUS_FOUND if found else STATUS_OK
+    headers = all_gather(torch.tensor([status, *values], dtype=torch.int64), group)
+    failed = [r for r, h in enumerate(headers) if int(h[0]) == STATUS_FAILED]
+    if error is not None:
+        raise error
+    if failed:
+        raise failure(failed)
+    return headers
 
 
 def all_gather_object(obj: Any, group: Any) -> list[Any]:

@@ -20,12 +20,12 @@ image) is a MetadataError, never a context read from the wrong place.
 
 from __future__ import annotations
 
-import json
 import os
 import posixpath
 from typing import Any, Callable, Iterator
 
 from ..errors import MetadataError
+from ..storage.hierarchy import read_group_node
 from ..storage.local import read_regular
 from ..storage.locate import Stores, default_stores, locate
 
@@ -34,7 +34,7 @@ from ..storage.locate import Stores, default_stores, locate
 _TOLERANCE = 1e-6
 #: How many groups above an array are asked whether their ``multiscales`` list it: a dataset ``path`` is
 #: relative to its image group and may be nested (``"s/1"``, two folders below it); the search stops at the
-#: first group that has ``multiscales``, listing the array or not.
+#: first group that has ``multiscales``, listing the array or not, or at the first ancestor that is no group.
 MAX_PATH_DEPTH = 4
 
 
@@ -141,44 +141,37 @@ def _ratio(mine: float, base: float, uri: str, name: str, axis: int) -> int:
 
 def _ancestor_attributes(uri: str, storage_options: dict | None,
                          stores: Stores | None) -> Iterator[tuple[Any, str]]:
-    """``(attributes of an ancestor group of the array or None, the array's path below it)``, from its parent
-    up, at most :data:`MAX_PATH_DEPTH` groups (a dataset ``path`` may be nested: ``"s/1"``)."""
+    """``(attributes of an ancestor group of the array, the array's path below it)``, from its parent up, at
+    most :data:`MAX_PATH_DEPTH` groups (a dataset ``path`` may be nested: ``"s/1"``), ending at the first
+    ancestor that is no group (nothing above it is the array's image). A remote store's groups are read
+    through its :class:`~stoker.storage.hierarchy.Hierarchy`: what opening the array read of them is not
+    asked again, nor what an earlier lookup did. The format of the nearest group is the hierarchy's: the
+    other format's documents are not asked for above it."""
     loc = locate(uri)
     if loc.is_local:
         assert loc.path is not None
-        split, join = os.path.split, os.path.join
+        split: Callable[[str], tuple[str, str]] = os.path.split
         parent, name = split(os.path.normpath(loc.path))
-        read: Callable[[str], bytes | None] = read_regular
+
+        def node(group: str, fmt: int | None) -> tuple[int, Any] | None:
+            return read_group_node(lambda doc: read_regular(os.path.join(group, doc)), fmt)
     else:
         if not loc.prefix:
             return
-        split, join = posixpath.split, posixpath.join
+        split = posixpath.split
         parent, name = split(loc.prefix)
         _, hierarchy = (stores or default_stores()).get(loc, storage_options)
-        read = lambda key: hierarchy.read(key, uri, optional=True)  # noqa: E731
+
+        def node(group: str, fmt: int | None) -> tuple[int, Any] | None:
+            return hierarchy.group_node(group, uri, fmt)
+    fmt = None
     for _ in range(MAX_PATH_DEPTH):
-        attrs = None
-        for doc_name, pick in (("zarr.json", _v3_attributes), (".zattrs", _as_dict)):
-            raw = read(join(parent, doc_name) if parent else doc_name)
-            if raw is not None:
-                attrs = pick(raw, uri)
-                break
+        found = node(parent, fmt)
+        if found is None:
+            return  # no group: the array's image (if any) is no further up
+        fmt, attrs = found
         yield attrs, name
         up, folder = split(parent)
         if not folder:
             return  # that was the file system's or the store's root
         parent, name = up, f"{folder}/{name}"
-
-
-def _as_dict(raw: bytes, uri: str) -> Any:
-    try:
-        return json.loads(raw)
-    except ValueError:
-        return None  # not a metadata document stoker can read: the array is then no OME-Zarr level
-
-
-def _v3_attributes(raw: bytes, uri: str) -> Any:
-    doc = _as_dict(raw, uri)
-    if not isinstance(doc, dict) or doc.get("node_type") != "group":
-        return None
-    return doc.get("attributes")

@@ -94,6 +94,16 @@ class Moments:
             lo = torch.where(finite, x, torch.inf).amin(dim=0)
             hi = torch.where(finite, x, -torch.inf).amax(dim=0)
             skipped = n - kept
+        return Moments.two_pass(n, channels, mean, m2, lo, hi, skipped, rest)
+
+    @staticmethod
+    def two_pass(n: int, channels: int | None, mean: torch.Tensor, m2: torch.Tensor, lo: torch.Tensor,
+                 hi: torch.Tensor, skipped: torch.Tensor, rest: torch.Tensor) -> "Moments":
+        """Moments of ``n`` elements from a two-pass reduction over them, per channel (shape ``(C,)``; a
+        single column when ``channels`` is None, for scalar moments): their float64 ``mean``, ``rest`` the
+        mean of the deviations from it (what its rounding left out: kept as ``mean_lo`` by TwoSum, 0 where
+        not finite, an overflow), ``m2`` taken about the mean with it. The one finish of :meth:`of` and of
+        compute_stats' numpy units (:func:`stoker.arraystats.compute._moments`)."""
         mean, mean_lo = two_sum(mean, torch.where(torch.isfinite(rest), rest, 0.0))  # overflow: as before
         if channels is None:
             mean, m2, lo, hi, skipped, mean_lo = mean[0], m2[0], lo[0], hi[0], skipped[0], mean_lo[0]

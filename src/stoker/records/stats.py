@@ -50,7 +50,8 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from ..dist.collectives import all_gather, barrier, broadcast_object, group_position, rank_info
+from ..dist.collectives import (STATUS_FOUND, all_gather, barrier, broadcast_object, group_position, rank_info,
+                                status_header)
 from ..errors import ClaimTimeout, InvalidArgument, NonFiniteData, StokerError
 from ..storage.artifacts import dataset_dir, dataset_identity
 from ..storage.locate import locate
@@ -64,8 +65,6 @@ _UNKNOWN = -1  # channel code of a derived quantity this rank never computed
 _SCALAR = 0
 _NONFINITE = ("raise", "skip")
 _DERIVED_INPUT = (None, "normalized", "raw")
-# A rank's state in the header collective of each pass.
-_OK, _FAILED, _FOUND_NONFINITE = 0, 1, 2
 #: What a rank found under nonfinite="raise": (record's index in the full dataset, name's index, count).
 _Found = tuple[int, int, int]
 
@@ -187,16 +186,10 @@ def _merge_ranks(
     lowest such rank's first find) and the channel count of quantities only some
     ranks computed.
     """
-    status = _FAILED if error is not None else _FOUND_NONFINITE if found is not None else _OK
-    header = torch.tensor([status, *(found or (-1, -1, 0))] + [channels[n] for n in names], dtype=torch.int64)
-    headers = all_gather(header, group)
-    failed = [r for r, h in enumerate(headers) if int(h[0]) == _FAILED]
-    if failed:
-        if error is not None:
-            raise error
-        raise StokerError(f"computing statistics failed on rank(s) {failed}; the cause is raised there",
-                          ranks=failed)
-    finds = [h for h in headers if int(h[0]) == _FOUND_NONFINITE]
+    headers = status_header(error, found is not None, [*(found or (-1, -1, 0))] + [channels[n] for n in names],
+                            group, lambda failed: StokerError(f"computing statistics failed on rank(s) {failed}; the "
+                                                              "cause is raised there", ranks=failed))
+    finds = [h for h in headers if int(h[0]) == STATUS_FOUND]
     if finds:
         raise _nonfinite_error(ds, kind, names, (int(finds[0][1]), int(finds[0][2]), int(finds[0][3])))
     agreed: dict[str, int | None] = {}

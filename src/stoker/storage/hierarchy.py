@@ -17,6 +17,11 @@ Ancestors' documents are optional: a key the store refuses to read (HTTP 403, wh
 missing key without ``s3:ListBucket`` permission) is read as absent. Of an array's own documents
 (:meth:`Hierarchy.first`) a refusal is raised when none of them is found.
 
+The groups above an array are also asked for their attributes (:meth:`Hierarchy.group_node`: an
+OME-Zarr level's image group holds its ``multiscales``): through what the walk above already read, each
+group once per store, and with :func:`read_group_node` the fewest documents that say whether a node is
+a group (a v3 ``zarr.json``; a v2 ``.zattrs``, or ``.zgroup`` where it has none).
+
 Consolidated metadata is trusted as it is (as zarr-python's ``open_consolidated`` does): an array
 rewritten with a new shape or codec after the group was consolidated reads with the old metadata.
 """
@@ -24,7 +29,9 @@ rewritten with a new shape or codec after the group was consolidated reads with 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import threading
+from typing import Any, Callable
 
 from ..errors import MetadataError, NotFound, StokerError, StorageError, as_value
 from .store import Store, denied
@@ -42,6 +49,39 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}/{name}" if prefix else name
 
 
+def read_group_node(read: Callable[[str], bytes | None], fmt: int | None = None) -> tuple[int, Any] | None:
+    """``(zarr_format, attributes)`` of a node when it is a group, None when it is not (or is no node), read
+    with ``read(name)`` (its document ``name``, ``"zarr.json"``, or None where there is none). ``fmt``: the
+    format its hierarchy is known to have (a group's children share their group's), so the other one's
+    documents are not asked for. v3: ``zarr.json`` with ``node_type`` "group". v2: ``.zattrs`` present (a
+    node with an array below it is a group), else ``.zgroup`` (a group written with no attributes).
+    Attributes that are no JSON object read as None: no attribute of them is found."""
+    if fmt != 2:
+        raw = read("zarr.json")
+        if raw is not None:
+            doc = _json(raw)
+            if not isinstance(doc, dict) or doc.get("node_type") != "group":
+                return None
+            return 3, _json_object(doc.get("attributes", {}))
+        if fmt == 3:
+            return None
+    raw = read(".zattrs")
+    if raw is not None:
+        return 2, _json_object(_json(raw))
+    return (2, {}) if read(".zgroup") is not None else None
+
+
+def _json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None  # no document stoker can read: nothing is found in it
+
+
+def _json_object(value: Any) -> dict | None:
+    return value if isinstance(value, dict) else None
+
+
 def _parents(prefix: str) -> list[str]:
     """``"a/b/c"`` -> ``["a/b", "a", ""]``."""
     parts = prefix.split("/") if prefix else []
@@ -55,6 +95,7 @@ class Hierarchy:
         self.store = store
         self._groups: dict[str, tuple | None] = {}  # group prefix -> (format, {relative key: doc}) or None
         self._loading: dict[str, concurrent.futures.Future] = {}  # group prefix -> its load in flight
+        self._nodes: dict[tuple, tuple | None] = {}  # (group prefix, format asked) -> group_node's answer
         self._lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
 
     def read(self, key: str, uri: str, optional: bool = False) -> bytes | None:
@@ -128,7 +169,7 @@ class Hierarchy:
 
     @staticmethod
     def _lookup(prefix: str, group: str, found: tuple) -> tuple[int, dict] | None:
-        fmt, entries, _ = found
+        fmt, entries = found[:2]
         rel = prefix[len(group) + 1:] if group else prefix
         if fmt == 3 and rel in entries:
             return 3, entries[rel]
@@ -136,6 +177,26 @@ class Hierarchy:
             return 2, {name: entries[f"{rel}/{name}"] for name in (".zarray", ".zgroup", ".zattrs")
                        if f"{rel}/{name}" in entries}
         return None
+
+    def group_node(self, group: str, uri: str, fmt: int | None = None) -> tuple[int, Any] | None:
+        """:func:`read_group_node` of the node at ``group``, each asked once per store: from what
+        :meth:`consolidated` read of it where it read it (its ``zarr.json``; a v2 group's ``.zmetadata``
+        names its ``.zattrs``), else from the store (a refused document reads as absent)."""
+        key = (group, fmt)
+        with self._lock:
+            if key in self._nodes:
+                return self._nodes[key]
+            known = self._groups.get(group, self)  # self: never read
+        if known is self or known is None and fmt != 3:
+            # known None: no zarr.json there (nor .zmetadata), so only v2's own documents are left to ask
+            node = read_group_node(lambda name: self.read(_join(group, name), uri, optional=True),
+                                   2 if known is None else fmt)
+        elif known is None:
+            node = None  # a v3 hierarchy's node without zarr.json: no group
+        else:
+            node = (known[0], known[3]) if known[2] else None
+        with self._lock:
+            return self._nodes.setdefault(key, node)
 
     def group_entries(self, group: str, uri: str) -> tuple[int, dict] | None:
         """``(zarr_format, entries)`` of the consolidated metadata of the group at ``group`` (keys relative
@@ -146,8 +207,8 @@ class Hierarchy:
         return found[0], found[1]
 
     def _group(self, group: str, uri: str) -> tuple | None:
-        """``(format, entries, is_group)`` of an ancestor (entries empty when it is not consolidated), or
-        None when it is no Zarr group; read once per store, by one thread (the others wait for it)."""
+        """``(format, entries, is_group, attributes)`` of an ancestor (entries empty when it is not
+        consolidated; attributes None where it has none read), or None when it is no Zarr group; read once per store, by one thread (the others wait for it)."""
         with self._lock:
             if group in self._groups:
                 return self._groups[group]
@@ -184,10 +245,10 @@ class Hierarchy:
         if raw is not None:
             doc = parse_json(raw, uri, _join(group, "zarr.json"))
             if doc.get("node_type") != "group":
-                return 3, {}, False
+                return 3, {}, False, None
             cm = doc.get("consolidated_metadata")
             entries = cm.get("metadata") if isinstance(cm, dict) else None
-            return 3, entries if isinstance(entries, dict) else {}, True
+            return 3, entries if isinstance(entries, dict) else {}, True, _json_object(doc.get("attributes", {}))
         raw = self.read(_join(group, ".zmetadata"), uri, optional=True)
         if raw is None:
             return None
@@ -196,4 +257,4 @@ class Hierarchy:
         if not isinstance(entries, dict):
             raise MetadataError(f"{uri}: {_join(group, '.zmetadata')} holds no 'metadata' object; it is not v2 "
                                 "consolidated metadata", uri=uri)
-        return 2, entries, True
+        return 2, entries, True, _json_object(entries.get(".zattrs", {}))

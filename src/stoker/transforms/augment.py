@@ -21,9 +21,10 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
+from ..checks import int64
 from ..errors import InvalidArgument
 from .compose import Keyed
-from .keys import check_int64, check_keys, uniform
+from .keys import check_keys, uniform
 
 _FLIP_SALT = 0x466C6970  # "Flip": the built-ins' draws differ from each other's and from uniform(salt=0)
 _TRANSPOSE_SALT = 0x5472616E  # "Tran"
@@ -44,7 +45,7 @@ def _axes(who: str, axes: Any, least: int) -> tuple[int, ...]:
 
 
 def _seed(who: str, seed: Any) -> int:
-    return check_int64(seed, "seed", who)
+    return int64(f"{who}: seed", seed, knob="seed")
 
 
 def _tensors(who: str, batch: Any, axes: tuple[int, ...]) -> list[tuple[str, torch.Tensor]]:

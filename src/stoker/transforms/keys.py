@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from ..checks import int64
 from ..errors import InvalidArgument
 
 _GAMMA = np.uint64(0x9E3779B97F4A7C15)  # splitmix64's increment (the golden ratio in 64 bits)
@@ -60,18 +61,10 @@ def check_keys(keys: Any, rows: int | None = None, who: str = "a keyed transform
     return arr.astype(np.int64, copy=False)
 
 
-def check_int64(value: Any, name: str = "seed", who: str = "uniform") -> int:
-    """``value`` as an int, when it is an integer in int64's range (not a bool); InvalidArgument otherwise: a
-    float would be truncated (seed 0.5 drawing what 0 draws), one past int64 is numpy's OverflowError."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not -2**63 <= value < 2**63:
-        raise InvalidArgument(f"{who}: {name} must be an int64 integer, got {value!r}", knob=name)
-    return int(value)
-
-
 def bits(keys: Any, seed: int, n: int = 1, salt: int = 0) -> np.ndarray:
     """``(B, n)`` uint64 hashes of ``(seed, salt, epoch, index, j)`` for each sample's key and ``j < n``."""
     k = check_keys(keys)
-    seed, salt = check_int64(seed, "seed"), check_int64(salt, "salt")
+    seed, salt = int64("uniform: seed", seed, knob="seed"), int64("uniform: salt", salt, knob="salt")
     with np.errstate(over="ignore"):  # uint64 arithmetic wraps by design (numpy warns on 0-d values)
         h = _mix(_u64(seed) + _GAMMA)
         h = _mix((h ^ _u64(salt)) + _GAMMA)

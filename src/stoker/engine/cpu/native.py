@@ -107,7 +107,7 @@ def configure(module) -> dict | None:
     True
     """
     built = getattr(module, "interface", None)
-    if built != interface.CONSTANTS:
+    if _stale(module):
         differ = sorted(k for k in set(built or {}) | set(interface.CONSTANTS)
                         if (built or {}).get(k) != interface.CONSTANTS.get(k))
         warnings.warn(f"{module.__file__} was compiled from another csrc/stoker_native.h than this stoker's "
@@ -133,25 +133,36 @@ def why_off() -> tuple[str, str] | None:
     ``stoker_native.h`` (warned at import), or a numcodecs without the codec functions it calls."""
     if Engine is not None:
         return None
-    if _disabled():
-        return f"STOKER_NATIVE={os.environ.get('STOKER_NATIVE')}", "unset STOKER_NATIVE to turn it on"
-    try:
-        from ... import _native
-    except ImportError:
-        return "not built (no C compiler at install?)", "reinstall with a C compiler"
-    if getattr(_native, "interface", None) != interface.CONSTANTS:
+    module, why = _extension()
+    if why is not None:
+        return why
+    if _stale(module):
         return ("built from another csrc/stoker_native.h than this stoker's (a stale build)",
                 "rebuild it: python setup.py build_ext --inplace, or reinstall")
     return "numcodecs exports neither zstd's nor blosc's functions", "install numcodecs from its wheels"
 
 
-def _load():
-    """``(Engine, zstd ready, blosc ready)``; Engine is None without the extension (or with neither codec)."""
+def _extension():
+    """``(stoker._native, None)``, or ``(None, (why it is off, what turns it on))`` where it is switched off
+    or not built: the first steps of :func:`_load`, which :func:`why_off` retraces."""
     if _disabled():
-        return None, False, False
+        return None, (f"STOKER_NATIVE={os.environ.get('STOKER_NATIVE')}", "unset STOKER_NATIVE to turn it on")
     try:
         from ... import _native
     except ImportError:
+        return None, ("not built (no C compiler at install?)", "reinstall with a C compiler")
+    return _native, None
+
+
+def _stale(module) -> bool:
+    """Whether ``module`` was compiled from another ``stoker_native.h`` than :mod:`.interface` was written from."""
+    return getattr(module, "interface", None) != interface.CONSTANTS
+
+
+def _load():
+    """``(Engine, zstd ready, blosc ready)``; Engine is None without the extension (or with neither codec)."""
+    _native, _ = _extension()
+    if _native is None:
         return None, False, False
     ready = configure(_native)
     if ready is None:
