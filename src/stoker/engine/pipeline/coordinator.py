@@ -666,9 +666,12 @@ def metadata_identity(uri: str) -> tuple | None:
     loc = locate(uri)
     if not loc.is_local or loc.path is None:
         return None
+    # the folder joined once, by concatenation: os.path.join per file cost as much as its stat (an open of an
+    # array new to the pipeline, under the GIL: a batch of many small arrays makes several)
+    folder = loc.path if loc.path.endswith(os.sep) else loc.path + os.sep
     out = []
     for name in _METADATA_FILES:
-        st = stat_document(os.path.join(loc.path, name))
+        st = stat_document(folder + name)
         out.append(None if st is None else identity(st))
     return tuple(out)
 
