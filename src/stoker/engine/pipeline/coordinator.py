@@ -198,6 +198,10 @@ class Coordinator:
         round trip each, as a batch of arrays seen for the first time would; an open in flight already (the
         batches pulled ahead: :meth:`_next_pull`) is waited for, not made again. A failed open is not tried
         again (that would wait out its retries twice): the first failure, in ``uris`` order, is raised."""
+        # those open already (every one, in most batches) found under one lock, not one look-up each
+        cached = self._readers.get_many(uris)
+        if all(r is not None for r in cached):
+            return cached
         missing = [u for u in uris if "://" in u and u.split("://", 1)[0].lower() in REMOTE_SCHEMES
                    and u not in self._readers]
         with self._opening_lock:
@@ -206,10 +210,10 @@ class Coordinator:
         self._wait_opens([f for _, f in flights])
         errors = {u: f.result() for u, f in flights if f.result() is not None}
         out = []
-        for u in uris:
+        for u, r in zip(uris, cached):
             if u in errors:
                 raise errors[u]
-            out.append(self.open(u))
+            out.append(self.open(u) if r is None else r)
         return out
 
     def _start_opens(self, uris: list[str]) -> list[tuple[str, concurrent.futures.Future]]:
