@@ -641,13 +641,17 @@ class Coordinator:
             requested = self.cfg.output_dtype
         executor = executor or self.executor
         dtypes = set()
+        memo = ("batch_dtype", *key, requested)  # each reader's answer kept on it: one look-up a batch
         for r in readers:
-            # a packed CF array's values are floats computed from the stored ones: no label-id rule for it
-            floats = self.cfg.cf and packed(r)
-            got = self._dtypes.get((*key, requested, r.dtype, floats))
-            if got is None:  # once per source dtype; a refused one raises every time
-                got = self._dtypes[(*key, requested, r.dtype, floats)] = batch_dtype(
-                    requested, r.dtype, r.uri, self.cfg.lossy_casts or floats)
+            got = r.derived.get(memo)
+            if got is None:
+                # a packed CF array's values are floats computed from the stored ones: no label-id rule for it
+                floats = self.cfg.cf and packed(r)
+                got = self._dtypes.get((*key, requested, r.dtype, floats))
+                if got is None:  # once per source dtype; a refused one raises every time
+                    got = self._dtypes[(*key, requested, r.dtype, floats)] = batch_dtype(
+                        requested, r.dtype, r.uri, self.cfg.lossy_casts or floats)
+                r.derived[memo] = got  # (a reader is one pipeline's: its Config and _dtypes are this one's)
             dtypes.add(got)
         if executor.dtype is not None:
             dtypes.add(executor.dtype)
