@@ -590,9 +590,13 @@ class NativeDecoder:
     def _source(self, reader, dtype: torch.dtype, kind: int | None) -> _Source:
         """The engine's description of ``reader``'s array, kept per reader: a reader's metadata never changes,
         and a batch of arrays new to the set (many small arrays) asks for each every batch."""
+        key = (id(reader), dtype, kind)
+        held = self._sources.get(key)
+        if held is not None and held[0] is reader:  # kept (every batch but a reader's first): no closure made
+            return held[1]
         # a local array: described once per process; an array in a store: the store is this pipeline's, and so
         # is its _Source
-        return _kept(self._sources, (id(reader), dtype, kind), reader,
+        return _kept(self._sources, key, reader,
                      lambda: shared_source(reader, dtype, kind, self.scratch_bytes) if reader.kv.is_local
                      else _Source(reader, dtype, kind, self.scratch_bytes))
 
