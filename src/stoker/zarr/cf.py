@@ -118,12 +118,21 @@ def _fill_attribute(value: Any, dtype: np.dtype, uri: str, name: str) -> list[fl
     return out
 
 
+#: the attributes :func:`coding_of` reads (beside a v2 array's ``_ARRAY_DIMENSIONS`` with its stored fill value)
+_CF_KEYS = frozenset(("_Unsigned", "scale_factor", "add_offset", "_FillValue", "missing_value"))
+
+
 def coding_of(attrs: dict, dtype: np.dtype, zarr_format: int, zarr_fill: Any = None, uri: str = "") -> CFCoding | None:
     """The CF coding ``attrs`` (an array's attributes) ask for, or None when decoding changes nothing.
     ``zarr_fill`` is a v2 array's ``.zarray`` ``fill_value`` as stored (JSON), which xarray takes for
     ``_FillValue`` in the arrays it writes (those with ``_ARRAY_DIMENSIONS``). ``_Unsigned`` (signed integers
     stored for unsigned values, which xarray reinterprets) is not decoded: UnsupportedFormat, never the signed
     values read as if decoded."""
+    if not _CF_KEYS.intersection(attrs) and not (zarr_format == 2 and "_ARRAY_DIMENSIONS" in attrs
+                                                 and zarr_fill is not None):
+        # no attribute of CF's (most arrays): nothing to decode, told before any dtype is looked at (an open of
+        # each array new to a pipeline asks, under the GIL, on the thread that plans its batches)
+        return None
     unsigned = attrs.get("_Unsigned")
     if unsigned is not None and str(unsigned).lower() in ("true", "false") and \
             (np.dtype(dtype).kind == "i") == (str(unsigned).lower() == "true"):

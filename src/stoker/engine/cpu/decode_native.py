@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import math
 import os
 import threading
 import time
@@ -187,9 +188,11 @@ class _Source:
         # its number in the decoder's table of disk-cache entries (entry_table.py; 0: none kept, as for a local
         # array, or a grid of files too large to number), and the strides that number its files (C order)
         grid = grid_shape(meta.shape, meta.chunk_shape)  # its files: chunks, or shards
-        numbered = int(np.prod(grid, dtype=object)) < 1 << 62  # every file's number an int64
+        # math.prod of Python ints: exact at any size, as numpy's object product was, at a tenth of its cost
+        # (an array new to the process is described under the GIL, in the batch that first reads it)
+        numbered = math.prod(grid) < 1 << 62  # every file's number an int64
         self.file_grid = list(grid) if numbered else [0] * len(grid)
-        self.file_strides = [int(np.prod(grid[i + 1:], dtype=object)) if numbered else 0 for i in range(len(grid))]
+        self.file_strides = [math.prod(grid[i + 1:]) if numbered else 0 for i in range(len(grid))]
         self.uid = next(_UIDS) if self.memory and numbered else 0
 
 
@@ -587,9 +590,13 @@ class NativeDecoder:
     def _source(self, reader, dtype: torch.dtype, kind: int | None) -> _Source:
         """The engine's description of ``reader``'s array, kept per reader: a reader's metadata never changes,
         and a batch of arrays new to the set (many small arrays) asks for each every batch."""
+        key = (id(reader), dtype, kind)
+        held = self._sources.get(key)
+        if held is not None and held[0] is reader:  # kept (every batch but a reader's first): no closure made
+            return held[1]
         # a local array: described once per process; an array in a store: the store is this pipeline's, and so
         # is its _Source
-        return _kept(self._sources, (id(reader), dtype, kind), reader,
+        return _kept(self._sources, key, reader,
                      lambda: shared_source(reader, dtype, kind, self.scratch_bytes) if reader.kv.is_local
                      else _Source(reader, dtype, kind, self.scratch_bytes))
 

@@ -198,6 +198,10 @@ class Coordinator:
         round trip each, as a batch of arrays seen for the first time would; an open in flight already (the
         batches pulled ahead: :meth:`_next_pull`) is waited for, not made again. A failed open is not tried
         again (that would wait out its retries twice): the first failure, in ``uris`` order, is raised."""
+        # those open already (every one, in most batches) found under one lock, not one look-up each
+        cached = self._readers.get_many(uris)
+        if all(r is not None for r in cached):
+            return cached
         missing = [u for u in uris if "://" in u and u.split("://", 1)[0].lower() in REMOTE_SCHEMES
                    and u not in self._readers]
         with self._opening_lock:
@@ -206,10 +210,10 @@ class Coordinator:
         self._wait_opens([f for _, f in flights])
         errors = {u: f.result() for u, f in flights if f.result() is not None}
         out = []
-        for u in uris:
+        for u, r in zip(uris, cached):
             if u in errors:
                 raise errors[u]
-            out.append(self.open(u))
+            out.append(self.open(u) if r is None else r)
         return out
 
     def _start_opens(self, uris: list[str]) -> list[tuple[str, concurrent.futures.Future]]:
@@ -637,13 +641,17 @@ class Coordinator:
             requested = self.cfg.output_dtype
         executor = executor or self.executor
         dtypes = set()
+        memo = ("batch_dtype", *key, requested)  # each reader's answer kept on it: one look-up a batch
         for r in readers:
-            # a packed CF array's values are floats computed from the stored ones: no label-id rule for it
-            floats = self.cfg.cf and packed(r)
-            got = self._dtypes.get((*key, requested, r.dtype, floats))
-            if got is None:  # once per source dtype; a refused one raises every time
-                got = self._dtypes[(*key, requested, r.dtype, floats)] = batch_dtype(
-                    requested, r.dtype, r.uri, self.cfg.lossy_casts or floats)
+            got = r.derived.get(memo)
+            if got is None:
+                # a packed CF array's values are floats computed from the stored ones: no label-id rule for it
+                floats = self.cfg.cf and packed(r)
+                got = self._dtypes.get((*key, requested, r.dtype, floats))
+                if got is None:  # once per source dtype; a refused one raises every time
+                    got = self._dtypes[(*key, requested, r.dtype, floats)] = batch_dtype(
+                        requested, r.dtype, r.uri, self.cfg.lossy_casts or floats)
+                r.derived[memo] = got  # (a reader is one pipeline's: its Config and _dtypes are this one's)
             dtypes.add(got)
         if executor.dtype is not None:
             dtypes.add(executor.dtype)
@@ -666,9 +674,12 @@ def metadata_identity(uri: str) -> tuple | None:
     loc = locate(uri)
     if not loc.is_local or loc.path is None:
         return None
+    # the folder joined once, by concatenation: os.path.join per file cost as much as its stat (an open of an
+    # array new to the pipeline, under the GIL: a batch of many small arrays makes several)
+    folder = loc.path if loc.path.endswith(os.sep) else loc.path + os.sep
     out = []
     for name in _METADATA_FILES:
-        st = stat_document(os.path.join(loc.path, name))
+        st = stat_document(folder + name)
         out.append(None if st is None else identity(st))
     return tuple(out)
 

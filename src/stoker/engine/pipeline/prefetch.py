@@ -81,17 +81,20 @@ class Ahead:
         them, start now anyway) and batches are not quiet (:data:`QUIET_AFTER`; see :meth:`_lost`). ``pushed``: the pushes its samples came in; ``mark``: the pushes so far
         (see :meth:`PrefetchBuffer.ask`)."""
         self._seq += 1
-        if self.buffer is not None and self._lost(plan):  # entries found on disk before may be gone: look again
+        # asked once a batch: a batch of local arrays alone (no store that prefetches) has nothing lost or to
+        # prefetch (_lost and prefetch_plan look at such stores only), so it skips both
+        prefetches = self.buffer is not None and any(isinstance(r.kv, PrefetchStore) for r in plan.sources)
+        if prefetches and self._lost(plan):  # entries found on disk before may be gone: look again
             self.quiet = 0
         # quiet (batches found whole on disk): not looked up ahead (the decoder looks up its entries itself, once)
         # until a store fetches again (_lost), so a cached epoch runs no per-chunk loop here
         nbytes, n, remote, fetches = prefetch_plan(plan, self._seq, pushed, mark) \
-            if self.buffer is not None and waits and self.quiet < QUIET_AFTER else (0, 0, False, 0)
+            if prefetches and waits and self.quiet < QUIET_AFTER else (0, 0, False, 0)
         self._last = (nbytes, n, remote)
         if remote:  # it reads remote chunks: all found on disk, or some to fetch
             self.quiet = 0 if fetches else self.quiet + 1
         self.queue.append((plan, entry, self._seq))
-        self.remote = self.buffer is not None and any(isinstance(r.kv, PrefetchStore) for r in plan.sources)
+        self.remote = prefetches
 
     def _lost(self, plan: TablePlan) -> bool:
         """Whether the disk caches of ``plan``'s remote stores lost entries since the last batch planned (their
