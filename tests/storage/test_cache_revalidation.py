@@ -656,7 +656,10 @@ def test_revalidate_ahead_skips_objects_its_store_knows_fresh_until_half_the_bou
     time.sleep(1.0)  # past the bound: asked, and revalidated by a HEAD each
     assert revalidate_ahead(_every_object(uri), lambda u: a, asked) == 16
     assert _heads_until(heads, 16) == 16
-    assert revalidate_ahead(_every_object(uri), lambda u: a, asked) == 16  # the HEADs' answers: told fresh
+    # the HEADs' answers learnt (as they come): the boxes' kept keys found fresh in one look-up each
+    deadline = time.monotonic() + 15
+    while revalidate_ahead(_every_object(uri), lambda u: a, asked) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert revalidate_ahead(_every_object(uri), lambda u: a, asked) == 0
     np.testing.assert_array_equal(a.read((slice(0, 64), slice(0, 64))), zarr_values(data, "plain"))
     assert heads() == 16 and not [p for _, m, p in http.log[start:] if m == "GET" and "/plain/c/" in p]
@@ -664,7 +667,8 @@ def test_revalidate_ahead_skips_objects_its_store_knows_fresh_until_half_the_bou
 
 def test_revalidate_ahead_skips_a_box_whose_chunks_were_all_fresh_in_one_look_up(http, data, tmp_path):
     # a second epoch asks about the same boxes again: once every chunk of a box was found fresh, the box is
-    # kept with the earliest of their "until"s and skipped whole (one look-up, not one a chunk) till then
+    # kept with the earliest of their "until"s and skipped whole (one look-up, not one a chunk) till then;
+    # past that, its store is asked in one look-up whether its kept keys are all fresh, chunk by chunk if not
     from stoker.engine.pipeline.prefetch import Revalidated
 
     options = _cached(tmp_path)
@@ -680,18 +684,60 @@ def test_revalidate_ahead_skips_a_box_whose_chunks_were_all_fresh_in_one_look_up
     boxes = {k: v for k, v in held.items() if isinstance(k[0], tuple)}
     chunks = {k: v for k, v in held.items() if not isinstance(k[0], tuple)}
     assert len(chunks) == 16 and boxes
-    for box, (key, until) in boxes.items():
-        inside = [v[1] for k, v in chunks.items() if all(lo <= i < hi for i, (lo, hi) in zip(k, box))]
-        assert key is None and inside and until == min(inside)
+    for box, (keys, until) in boxes.items():
+        inside = {k: v for k, v in chunks.items() if all(lo <= i < hi for i, (lo, hi) in zip(k, box))}
+        assert inside and until == min(v[1] for v in inside.values())
+        assert sorted(keys) == sorted(v[0] for v in inside.values())  # its chunks' keys, kept with it
     for value in chunks.values():  # the chunks' own record no longer fresh: the boxes alone skip them
         value[1] = 0.0
     assert revalidate_ahead(samples, lambda u: a, asked) == 0
-    for value in boxes.values():  # nor the boxes': every chunk asked again
+    for value in boxes.values():  # nor the boxes': the store, asked per box, still knows every key fresh
         value[1] = 0.0
+    assert revalidate_ahead(samples, lambda u: a, asked) == 0
+    assert all(v[1] > 0 for v in boxes.values())  # (their "until" renewed from its answer)
+    for value in boxes.values():
+        value[1] = 0.0
+    _caching(a).forget()  # nothing known any more: every chunk asked, and HEADed
+    start = len(http.log)
     assert revalidate_ahead(samples, lambda u: a, asked) == 16
+    assert _heads_until(lambda: sum(m == "HEAD" and "/plain/c/" in p for _, m, p in http.log[start:]), 16) == 16
     start = len(http.log)
     np.testing.assert_array_equal(a.read((slice(0, 64), slice(0, 64))), zarr_values(data, "plain"))
     assert not [p for _, m, p in http.log[start:] if m == "GET" and "/plain/c/" in p]
+
+
+def test_a_second_epoch_asks_about_boxes_its_first_asked_about_before_their_reads(http, data, tmp_path):
+    # a pipeline's first epoch asks ahead about its boxes before their chunks are read (a cold cache: nothing
+    # known, nothing HEADed, as a read states each generation), so the chunks' own record says nothing of
+    # them; its second epoch finds each box's kept keys known fresh by one look-up per box, building no key
+    # and asking the store nothing, and its reads ask nothing either
+    from stoker.engine.pipeline import prefetch
+    from stoker.engine.pipeline.prefetch import Revalidated
+
+    options = _cached(tmp_path)
+    uri = f"{http.url}/plain"
+    a = stoker.open_array(uri, options, stores=Stores())
+    samples = _every_object(uri)
+    asked = Revalidated()
+    start = len(http.log)
+    assert revalidate_ahead(samples, lambda u: a, asked) == 16  # epoch 1, ahead of its reads: nothing known
+    np.testing.assert_array_equal(a.read((slice(0, 64), slice(0, 64))), zarr_values(data, "plain"))
+    assert _caching(a).cache.flush(30)
+    assert not [p for _, m, p in http.log[start:] if m == "HEAD"]  # a cold cache: the GETs state generations
+    assert all(v[1] == 0.0 for k, v in asked.of(a).items() if not isinstance(k[0], tuple))
+    built: list = []
+    key_of = a.key_of
+    a.key_of = lambda path: built.append(path) or key_of(path)  # type: ignore[method-assign]
+    start = len(http.log)
+    try:
+        assert revalidate_ahead(samples, lambda u: a, asked) == 0  # epoch 2: one look-up a box
+        assert revalidate_ahead(samples, lambda u: a, asked) == 0
+    finally:
+        del a.key_of
+    assert built == []
+    np.testing.assert_array_equal(a.read((slice(0, 64), slice(0, 64))), zarr_values(data, "plain"))
+    assert [(m, p) for _, m, p in http.log[start:] if "/plain/" in p] == []
+    assert prefetch.MAX_REVALIDATE >= 16
 
 
 def test_a_pulled_batch_is_revalidated_once_its_own_arrays_are_open(http, data, tmp_path):

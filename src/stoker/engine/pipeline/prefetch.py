@@ -290,14 +290,18 @@ def revalidate_ahead(samples: Sequence[Any], reader_of: Callable[[str], Any],
     those its store said lately were known and younger than half the staleness bound (``asked``, a
     pipeline's :class:`Revalidated`): until then asking does nothing, so their keys are not even built (a
     second epoch read within the bound asks about none: a look-up per box whose chunks were all found so
-    before, else per chunk, not a key built and checked).
+    before, else per chunk, not a key built and checked). A box seen before (an epoch before) keeps its chunks'
+    keys: once its record is out of date, its store says in one look-up (``fresh_until``) whether they are all
+    fresh, before any is asked chunk by chunk (a second epoch in the pipeline that read the first, whose reads
+    learnt every generation: a look-up per box, where the chunks' own record, asked about before their reads,
+    says nothing).
 
     >>> revalidate_ahead(pulled_samples, lambda uri: readers.get(uri), ahead.revalidated)
     """
     asks: dict[int, tuple[Any, dict]] = {}
     skip: dict[int, bool] = {}  # per reader: a current, complete listing holds it, so nothing to ask
-    # per store (many arrays share one): its revalidate, looked up once a call, not once an array
-    methods: dict[int, Any] = {}
+    # per store (many arrays share one): its revalidate and fresh_until, looked up once a call, not once an array
+    methods: dict[int, tuple[Any, Any]] = {}
     n = 0
     now = time.monotonic()
     for sample in samples:
@@ -308,9 +312,11 @@ def revalidate_ahead(samples: Sequence[Any], reader_of: Callable[[str], Any],
                 reader = reader_of(uri)
                 if reader is None:
                     continue
-                revalidate = methods.get(id(reader.kv), methods)
-                if revalidate is methods:  # (not looked up yet: None is an answer)
-                    revalidate = methods[id(reader.kv)] = getattr(reader.kv, "revalidate", None)
+                got = methods.get(id(reader.kv))
+                if got is None:
+                    got = methods[id(reader.kv)] = (getattr(reader.kv, "revalidate", None),
+                                                    getattr(reader.kv, "fresh_until", None))
+                revalidate, fresh_until = got
                 if revalidate is None:
                     continue
                 listed = skip.get(id(reader))
@@ -321,23 +327,35 @@ def revalidate_ahead(samples: Sequence[Any], reader_of: Callable[[str], Any],
                 meta = reader.metadata
                 spans = cells_touched(part.aabb, meta.shape, meta.chunk_shape)
                 chunks = asked.of(reader) if asked is not None else None
-                box = None
+                box = boxed = None
                 if chunks is not None:
                     # the box's chunks all known fresh until then, when last looked at: one look-up, not one a
                     # chunk (a second epoch's crops, many to an array, cover few distinct runs of chunks)
-                    box = tuple((r.start, r.stop) for r in spans)
-                    held = chunks.get(box)
-                    if held is not None and held[1] > now:
-                        continue
+                    box = tuple([(r.start, r.stop) for r in spans])
+                    boxed = chunks.get(box)
+                    if boxed is not None:
+                        if boxed[1] > now:
+                            continue
+                        if boxed[0] is not None and fresh_until is not None:
+                            # its chunks' keys, kept when first seen (an epoch before, read since): the store
+                            # says in one look-up whether all are fresh now, the chunks' own record not consulted
+                            until = fresh_until(boxed[0])
+                            if until > now:
+                                boxed[1] = until
+                                continue
                 keys = asks.setdefault(id(reader.kv), (revalidate, {}))[1]
                 soonest, whole = math.inf, True  # the box's chunks' earliest "until", and whether all are fresh
+                box_keys: list | None = [] if box is not None and (boxed is None or boxed[0] is None) else None
                 for index in itertools.product(*spans):
                     held = chunks.get(index) if chunks is not None else None
                     if held is not None and held[1] > now:
                         soonest = min(soonest, held[1])
+                        if box_keys is not None:
+                            box_keys.append(held[0])
                         continue  # known and younger than half the bound when asked last: nothing to do
                     whole = False
                     if n >= MAX_REVALIDATE:
+                        box_keys = None  # (its keys not all built: the box is kept without them)
                         break
                     if held is None:
                         key = reader.key_of(reader.file_path(meta.chunk_key(index)))
@@ -345,11 +363,22 @@ def revalidate_ahead(samples: Sequence[Any], reader_of: Callable[[str], Any],
                             held = asked.keep(chunks, index, [key, 0.0])  # type: ignore[union-attr]
                     else:
                         key = held[0]
+                    if box_keys is not None:
+                        box_keys.append(key)
                     if key not in keys:
                         keys[key] = held
                         n += 1
-                if whole and box is not None and soonest != math.inf:
-                    asked.keep(chunks, box, [None, soonest])  # type: ignore[union-attr]
+                if box is None:
+                    continue
+                until = soonest if whole and soonest != math.inf else 0.0
+                if boxed is None:
+                    if box_keys is not None or until:
+                        kept = None if box_keys is None else tuple(box_keys)
+                        asked.keep(chunks, box, [kept, until])  # type: ignore[union-attr]
+                else:
+                    boxed[1] = until
+                    if box_keys is not None:
+                        boxed[0] = tuple(box_keys)
     for revalidate, keys in asks.values():
         if keys:
             try:
@@ -365,8 +394,9 @@ class Revalidated:
     """Per open array (an ``ArrayReader``), its chunks (grid indices) asked about: ``[key, until]``, the key of
     the chunk's object (built once) and until when (``time.monotonic()``; 0: not known when last asked) its
     store said it is known and younger than half the staleness bound: what :func:`revalidate_ahead` skips;
-    and boxes (a ``(start, stop)`` run of chunks an axis) whose chunks were all so: ``[None, the earliest
-    until]``, the box skipped whole till then.
+    and boxes (a ``(start, stop)`` run of chunks an axis): ``[the keys of its chunks (None where not all
+    were built), until]``, until when all its chunks were so (the earliest of theirs; 0: not all were), the box
+    skipped whole till then, and after that its store asked about its keys in one look-up.
     A pipeline's (:attr:`Ahead.revalidated`); at most :data:`REVALIDATED_ENTRIES` chunks in all (about 280
     bytes each: ~18 MiB), :data:`REVALIDATED_CHUNKS` an array and :data:`REVALIDATED_ARRAYS` arrays, past
     which forgotten (built and asked again): past the bound in all, whole arrays', those first asked about
