@@ -208,7 +208,8 @@ class Hierarchy:
 
     def _group(self, group: str, uri: str) -> tuple | None:
         """``(format, entries, is_group, attributes)`` of an ancestor (entries empty when it is not
-        consolidated; attributes None where it has none read), or None when it is no Zarr group; read once per store, by one thread (the others wait for it)."""
+        consolidated; attributes None where it has none read), or None when it is no Zarr group; read once per
+        store, by one thread (the others wait for it)."""
         with self._lock:
             if group in self._groups:
                 return self._groups[group]
