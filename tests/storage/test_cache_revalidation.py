@@ -706,6 +706,29 @@ def test_revalidate_ahead_skips_a_box_whose_chunks_were_all_fresh_in_one_look_up
     assert not [p for _, m, p in http.log[start:] if m == "GET" and "/plain/c/" in p]
 
 
+def test_a_box_of_more_chunks_than_box_keys_keeps_no_keys(http, data, tmp_path, monkeypatch):
+    # the keys a box keeps are bounded (BOX_KEYS chunks): a larger box is kept with its "until" alone, and asked
+    # about chunk by chunk once that passed, as before boxes kept keys
+    from stoker.engine.pipeline import prefetch
+    from stoker.engine.pipeline.prefetch import Revalidated
+
+    monkeypatch.setattr(prefetch, "BOX_KEYS", 0)
+    options = _cached(tmp_path)
+    uri = f"{http.url}/plain"
+    a = stoker.open_array(uri, options, stores=Stores())
+    np.testing.assert_array_equal(a.read((slice(0, 64), slice(0, 64))), zarr_values(data, "plain"))
+    assert _caching(a).cache.flush(30)
+    samples = _every_object(uri)
+    asked = Revalidated()
+    assert revalidate_ahead(samples, lambda u: a, asked) == 16
+    assert revalidate_ahead(samples, lambda u: a, asked) == 0
+    boxes = {k: v for k, v in asked.of(a).items() if isinstance(k[0], tuple)}
+    assert boxes and all(keys is None and until > 0 for keys, until in boxes.values())
+    for key, value in asked.of(a).items():  # every record out of date: each chunk asked again
+        value[1] = 0.0
+    assert revalidate_ahead(samples, lambda u: a, asked) == 16
+
+
 def test_a_second_epoch_asks_about_boxes_its_first_asked_about_before_their_reads(http, data, tmp_path):
     # a pipeline's first epoch asks ahead about its boxes before their chunks are read (a cold cache: nothing
     # known, nothing HEADed, as a read states each generation), so the chunks' own record says nothing of

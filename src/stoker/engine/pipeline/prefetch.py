@@ -345,7 +345,9 @@ def revalidate_ahead(samples: Sequence[Any], reader_of: Callable[[str], Any],
                                 continue
                 keys = asks.setdefault(id(reader.kv), (revalidate, {}))[1]
                 soonest, whole = math.inf, True  # the box's chunks' earliest "until", and whether all are fresh
-                box_keys: list | None = [] if box is not None and (boxed is None or boxed[0] is None) else None
+                # its keys kept with it when first seen, for a box of at most BOX_KEYS chunks (the bound in memory)
+                box_keys: list | None = [] if box is not None and (boxed is None or boxed[0] is None) and \
+                    math.prod(len(r) for r in spans) <= BOX_KEYS else None
                 for index in itertools.product(*spans):
                     held = chunks.get(index) if chunks is not None else None
                     if held is not None and held[1] > now:
@@ -395,10 +397,10 @@ class Revalidated:
     the chunk's object (built once) and until when (``time.monotonic()``; 0: not known when last asked) its
     store said it is known and younger than half the staleness bound: what :func:`revalidate_ahead` skips;
     and boxes (a ``(start, stop)`` run of chunks an axis): ``[the keys of its chunks (None where not all
-    were built), until]``, until when all its chunks were so (the earliest of theirs; 0: not all were), the box
+    were built, or it covers more than :data:`BOX_KEYS`), until]``, until when all its chunks were so (the earliest of theirs; 0: not all were), the box
     skipped whole till then, and after that its store asked about its keys in one look-up.
-    A pipeline's (:attr:`Ahead.revalidated`); at most :data:`REVALIDATED_ENTRIES` chunks in all (about 280
-    bytes each: ~18 MiB), :data:`REVALIDATED_CHUNKS` an array and :data:`REVALIDATED_ARRAYS` arrays, past
+    A pipeline's (:attr:`Ahead.revalidated`); at most :data:`REVALIDATED_ENTRIES` chunks and boxes in all
+    (about 280 bytes each, a box's keys up to ~0.5 KiB more: ~18-34 MiB), :data:`REVALIDATED_CHUNKS` an array and :data:`REVALIDATED_ARRAYS` arrays, past
     which forgotten (built and asked again): past the bound in all, whole arrays', those first asked about
     first, until a quarter of it is free. Readers are held weakly: an array the pipeline closed or evicted
     is dropped with its chunks, not kept alive here. Read and written by whichever thread revalidates a batch
@@ -472,6 +474,10 @@ class Revalidated:
 REVALIDATED_ARRAYS = 1024
 REVALIDATED_CHUNKS = 1 << 14
 REVALIDATED_ENTRIES = 1 << 16
+#: The most chunks a box may cover for :class:`Revalidated` to keep their keys with it (a reference each, 8
+#: bytes: a box's entry at most ~0.5 KiB more, 65,536 of them ~34 MiB); a larger box is asked chunk by chunk,
+#: its look-ups few beside its reads.
+BOX_KEYS = 64
 
 
 def listed_whole(reader: Any) -> bool:
@@ -507,6 +513,7 @@ def _on_disk(kv: PrefetchStore, keys: dict, ranges: dict) -> tuple[int, dict]:
     return dropped, kept
 
 
-__all__ = ["Ahead", "MAX_AHEAD", "MAX_INDEXES_AHEAD", "MAX_REVALIDATE", "QUIET_AFTER", "REVALIDATED_ARRAYS",
+__all__ = ["Ahead", "BOX_KEYS", "MAX_AHEAD", "MAX_INDEXES_AHEAD", "MAX_REVALIDATE", "QUIET_AFTER",
+           "REVALIDATED_ARRAYS",
            "REVALIDATED_CHUNKS", "REVALIDATED_ENTRIES",
            "Revalidated", "indexes_ahead", "listed_whole", "prefetch_plan", "revalidate_ahead"]
