@@ -124,21 +124,23 @@ def _lookups(root, path: str) -> list[tuple]:
 
 # What one lookup asks once the array was opened in the same stores (which read its parent groups' zarr.json
 # and .zmetadata looking for consolidated metadata), and in fresh stores; the second lookup asks nothing.
-# Under www/ (a folder, no group), so the walk has a non-group to stop at.
+# Under www/ (a folder with no document, stepped over as the walk goes up).
 _PLAIN = {
-    3: ([],  # every ancestor's zarr.json was read by the open: a, data.zarr, and www's absence
-        ["/www/data.zarr/a/zarr.json", "/www/data.zarr/zarr.json", "/www/zarr.json"]),
-    2: (["/www/data.zarr/a/.zattrs", "/www/data.zarr/.zattrs", "/www/.zattrs", "/www/.zgroup"],  # www: no group
+    3: (["/zarr.json"],  # every other ancestor's zarr.json was read by the open: a, data.zarr, www's absence
+        ["/www/data.zarr/a/zarr.json", "/www/data.zarr/zarr.json", "/www/zarr.json", "/zarr.json"]),
+    # www and the root have no document: stepped over (as a level's folder s of s/1), up to MAX_PATH_DEPTH
+    2: (["/www/data.zarr/a/.zattrs", "/www/data.zarr/.zattrs", "/www/.zattrs", "/www/.zgroup", "/.zattrs",
+         "/.zgroup"],
         ["/www/data.zarr/a/zarr.json", "/www/data.zarr/a/.zattrs", "/www/data.zarr/.zattrs", "/www/.zattrs",
-         "/www/.zgroup"]),
+         "/www/.zgroup", "/.zattrs", "/.zgroup"]),
 }
 
 
 @pytest.mark.parametrize("fmt", [2, 3])
 def test_a_plain_nested_array_over_http_asks_each_group_once(tmp_path, fmt):
     """An array that is no OME level (``data.zarr/a/b``): the lookup asks each group above it once for its
-    attributes, through the metadata its open already read, stops at the first folder that is no group,
-    and asks nothing when asked again."""
+    attributes, through the metadata its open already read, steps over folders with no document up to
+    MAX_PATH_DEPTH folders, and asks nothing when asked again."""
     root = tmp_path / "www" / "data.zarr"
     zarr.open_group(str(root), mode="w", zarr_format=fmt).create_array("a/b", shape=(4,), chunks=(2,), dtype="u1")
     ome_zarr = pytest.importorskip("ome_zarr.reader")
@@ -188,4 +190,66 @@ def test_a_v2_group_without_attributes_is_still_a_group_on_the_way_up(tmp_path):
         assert got == (1, 4, 4)
         assert asked == ["/img.zarr/s/zarr.json", "/img.zarr/s/.zattrs", "/img.zarr/s/.zgroup", "/img.zarr/.zattrs"]
     finally:
+        server.shutdown()
+
+
+@pytest.mark.parametrize("fmt", [2, 3])
+def test_a_level_below_a_folder_with_no_document_finds_its_image(tmp_path, fmt):
+    """zarr-python writes no document for the folders between a group and an array it creates at a nested
+    path (``create_array("s/1")`` leaves ``s`` bare) and reads the level through the image group all the same;
+    so does ome-zarr-py. The lookup steps over such a folder (locally, over HTTP, and in the stores that
+    opened the array), rather than ending there with scale 1 (a level's context read from the wrong place)."""
+    import os
+
+    from range_server import RangeServer
+
+    image = tmp_path / "img.zarr"
+    _image(str(image), ["s/0", "s/1"], [1, 4], fmt)
+    for doc in ("zarr.json", ".zgroup", ".zattrs"):
+        if (image / "s" / doc).exists():
+            os.remove(image / "s" / doc)
+    assert sorted(os.listdir(image / "s")) == ["0", "1"]  # a bare folder
+    want = _ome_zarr_ratios(str(image))
+    assert want == [(1, 1, 1), (1, 4, 4)]
+    assert level_scale(str(image / "s" / "1")) == want[1]
+    server = RangeServer(str(tmp_path))
+    stores = Stores()
+    try:
+        uri = f"{server.url}/img.zarr/s/1"
+        np.testing.assert_array_equal(open_array(uri, stores=stores).read((slice(0, 1), slice(0, 2), slice(0, 2))),
+                                      zarr.open_array(str(image / "s" / "1"))[:1, :2, :2])
+        assert level_scale(uri, None, stores) == want[1]
+        assert level_scale(uri) == want[1]
+        assert level_scale(f"{server.url}/img.zarr/s/0", None, stores) is None
+    finally:
+        stores.close()
+        server.shutdown()
+
+
+def test_a_v2_image_consolidated_before_its_multiscales_were_written_reads_them(tmp_path):
+    """A v2 group consolidated (``.zmetadata``) and given its ``multiscales`` after: zarr-python reads the
+    group's own ``.zattrs`` (``open_consolidated(...).attrs`` holds them), and so does the lookup, also in the
+    stores that opened the array through the consolidated metadata (it never takes the group's attributes
+    from ``.zmetadata``, which would say scale 1)."""
+    from range_server import RangeServer
+
+    image = tmp_path / "img.zarr"
+    _image(str(image), ["0", "1"], [1, 2], 2)
+    g = zarr.open_group(str(image), mode="r+", zarr_format=2)
+    multiscales = g.attrs["multiscales"]
+    del g.attrs["multiscales"]
+    zarr.consolidate_metadata(str(image), zarr_format=2)
+    zarr.open_group(str(image), mode="r+", zarr_format=2, use_consolidated=False).attrs["multiscales"] = multiscales
+    assert "multiscales" in zarr.open_consolidated(str(image), zarr_format=2).attrs
+    want = _ome_zarr_ratios(str(image))[1]
+    assert want == (1, 2, 2)
+    server = RangeServer(str(tmp_path))
+    stores = Stores()
+    try:
+        uri = f"{server.url}/img.zarr/1"
+        open_array(uri, stores=stores)
+        assert level_scale(uri, None, stores) == want
+        assert level_scale(uri) == want
+    finally:
+        stores.close()
         server.shutdown()

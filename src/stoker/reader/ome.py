@@ -34,7 +34,8 @@ from ..storage.locate import Stores, default_stores, locate
 _TOLERANCE = 1e-6
 #: How many groups above an array are asked whether their ``multiscales`` list it: a dataset ``path`` is
 #: relative to its image group and may be nested (``"s/1"``, two folders below it); the search stops at the
-#: first group that has ``multiscales``, listing the array or not, or at the first ancestor that is no group.
+#: first group that has ``multiscales``, listing the array or not, or at a node that is no group (folders with
+#: no document are stepped over).
 MAX_PATH_DEPTH = 4
 
 
@@ -142,18 +143,19 @@ def _ratio(mine: float, base: float, uri: str, name: str, axis: int) -> int:
 def _ancestor_attributes(uri: str, storage_options: dict | None,
                          stores: Stores | None) -> Iterator[tuple[Any, str]]:
     """``(attributes of an ancestor group of the array, the array's path below it)``, from its parent up, at
-    most :data:`MAX_PATH_DEPTH` groups (a dataset ``path`` may be nested: ``"s/1"``), ending at the first
-    ancestor that is no group (nothing above it is the array's image). A remote store's groups are read
-    through its :class:`~stoker.storage.hierarchy.Hierarchy`: what opening the array read of them is not
-    asked again, nor what an earlier lookup did. The format of the nearest group is the hierarchy's: the
-    other format's documents are not asked for above it."""
+    most :data:`MAX_PATH_DEPTH` folders (a dataset ``path`` may be nested: ``"s/1"``). A folder with no
+    document is stepped over (zarr-python writes none for the ``s`` of ``s/1``, and reads the level through
+    the image group all the same); the walk ends at a node that is no group (a v3 array: nothing above it
+    holds the array). A remote store's groups are read through its
+    :class:`~stoker.storage.hierarchy.Hierarchy`: what opening the array read of them is not asked again, nor
+    what an earlier lookup did. Past the nearest group, only its format's documents are asked for."""
     loc = locate(uri)
     if loc.is_local:
         assert loc.path is not None
         split: Callable[[str], tuple[str, str]] = os.path.split
         parent, name = split(os.path.normpath(loc.path))
 
-        def node(group: str, fmt: int | None) -> tuple[int, Any] | None:
+        def node(group: str, fmt: int | None) -> tuple[int, Any, bool] | None:
             return read_group_node(lambda doc: read_regular(os.path.join(group, doc)), fmt)
     else:
         if not loc.prefix:
@@ -162,15 +164,16 @@ def _ancestor_attributes(uri: str, storage_options: dict | None,
         parent, name = split(loc.prefix)
         _, hierarchy = (stores or default_stores()).get(loc, storage_options)
 
-        def node(group: str, fmt: int | None) -> tuple[int, Any] | None:
+        def node(group: str, fmt: int | None) -> tuple[int, Any, bool] | None:
             return hierarchy.group_node(group, uri, fmt)
     fmt = None
     for _ in range(MAX_PATH_DEPTH):
         found = node(parent, fmt)
-        if found is None:
-            return  # no group: the array's image (if any) is no further up
-        fmt, attrs = found
-        yield attrs, name
+        if found is not None:
+            fmt, attrs, is_group = found
+            if not is_group:
+                return  # no group: no image holds the array through it
+            yield attrs, name
         up, folder = split(parent)
         if not folder:
             return  # that was the file system's or the store's root

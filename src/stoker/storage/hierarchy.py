@@ -49,26 +49,27 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}/{name}" if prefix else name
 
 
-def read_group_node(read: Callable[[str], bytes | None], fmt: int | None = None) -> tuple[int, Any] | None:
-    """``(zarr_format, attributes)`` of a node when it is a group, None when it is not (or is no node), read
-    with ``read(name)`` (its document ``name``, ``"zarr.json"``, or None where there is none). ``fmt``: the
-    format its hierarchy is known to have (a group's children share their group's), so the other one's
-    documents are not asked for. v3: ``zarr.json`` with ``node_type`` "group". v2: ``.zattrs`` present (a
-    node with an array below it is a group), else ``.zgroup`` (a group written with no attributes).
-    Attributes that are no JSON object read as None: no attribute of them is found."""
+def read_group_node(read: Callable[[str], bytes | None], fmt: int | None = None) -> tuple[int, Any, bool] | None:
+    """``(zarr_format, attributes, is_group)`` of the node whose documents ``read(name)`` gives (its document
+    ``name``, ``"zarr.json"``, or None where there is none); None where it has none (a folder zarr-python
+    writes no document for: the ``s`` of a level at ``s/1``). ``fmt``: the format its hierarchy is known to
+    have (a group's children share their group's), so the other one's documents are not asked for. v3:
+    ``zarr.json``, a group when its ``node_type`` is "group" (else attributes None). v2: ``.zattrs`` present,
+    else ``.zgroup`` (a group written with no attributes), both read as a group's. Attributes that are no JSON
+    object read as None: no attribute of them is found."""
     if fmt != 2:
         raw = read("zarr.json")
         if raw is not None:
             doc = _json(raw)
             if not isinstance(doc, dict) or doc.get("node_type") != "group":
-                return None
-            return 3, _json_object(doc.get("attributes", {}))
+                return 3, None, False
+            return 3, _json_object(doc.get("attributes", {})), True
         if fmt == 3:
             return None
     raw = read(".zattrs")
     if raw is not None:
-        return 2, _json_object(_json(raw))
-    return (2, {}) if read(".zgroup") is not None else None
+        return 2, _json_object(_json(raw)), True
+    return (2, {}, True) if read(".zgroup") is not None else None
 
 
 def _json(raw: bytes) -> Any:
@@ -93,9 +94,10 @@ class Hierarchy:
 
     def __init__(self, store: Store) -> None:
         self.store = store
-        self._groups: dict[str, tuple | None] = {}  # group prefix -> (format, {relative key: doc}) or None
+        # group prefix -> (format, {relative key: doc}, is a group, its attributes) or None (see _group)
+        self._groups: dict[str, tuple | None] = {}
         self._loading: dict[str, concurrent.futures.Future] = {}  # group prefix -> its load in flight
-        self._nodes: dict[tuple, tuple | None] = {}  # (group prefix, format asked) -> group_node's answer
+        self._nodes: dict[tuple, tuple | None] = {}  # (prefix, format asked) -> group_node's answer
         self._lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
 
     def read(self, key: str, uri: str, optional: bool = False) -> bytes | None:
@@ -178,23 +180,26 @@ class Hierarchy:
                        if f"{rel}/{name}" in entries}
         return None
 
-    def group_node(self, group: str, uri: str, fmt: int | None = None) -> tuple[int, Any] | None:
-        """:func:`read_group_node` of the node at ``group``, each asked once per store: from what
-        :meth:`consolidated` read of it where it read it (its ``zarr.json``; a v2 group's ``.zmetadata``
-        names its ``.zattrs``), else from the store (a refused document reads as absent)."""
+    def group_node(self, group: str, uri: str, fmt: int | None = None) -> tuple[int, Any, bool] | None:
+        """:func:`read_group_node` of the node at ``group``, each asked once per store: a v3 node from the
+        ``zarr.json`` :meth:`consolidated` read of it where it read it, anything else from the store (a refused
+        document reads as absent). A v2 group's attributes are its own ``.zattrs``, never those its
+        ``.zmetadata`` names: attributes written after the group was consolidated (an OME ``multiscales``)
+        are what zarr-python reads too."""
         key = (group, fmt)
         with self._lock:
             if key in self._nodes:
                 return self._nodes[key]
             known = self._groups.get(group, self)  # self: never read
-        if known is self or known is None and fmt != 3:
-            # known None: no zarr.json there (nor .zmetadata), so only v2's own documents are left to ask
-            node = read_group_node(lambda name: self.read(_join(group, name), uri, optional=True),
-                                   2 if known is None else fmt)
-        elif known is None:
-            node = None  # a v3 hierarchy's node without zarr.json: no group
+        if known is not self and known is not None and known[0] == 3:
+            node: tuple[int, Any, bool] | None = (3, known[3] if known[2] else None, bool(known[2]))
+        elif known is None and fmt == 3:
+            node = None  # a v3 hierarchy's folder without zarr.json: no document
         else:
-            node = (known[0], known[3]) if known[2] else None
+            # never read; or no zarr.json there (known None: nor .zmetadata), so v2's own documents are left;
+            # or a v2 group known by its .zmetadata, whose .zattrs is read as it is now
+            node = read_group_node(lambda name: self.read(_join(group, name), uri, optional=True),
+                                   fmt if known is self else 2)
         with self._lock:
             return self._nodes.setdefault(key, node)
 
@@ -258,4 +263,4 @@ class Hierarchy:
         if not isinstance(entries, dict):
             raise MetadataError(f"{uri}: {_join(group, '.zmetadata')} holds no 'metadata' object; it is not v2 "
                                 "consolidated metadata", uri=uri)
-        return 2, entries, True, _json_object(entries.get(".zattrs", {}))
+        return 2, entries, True, None  # (its attributes are its .zattrs as it is now: see group_node)
