@@ -1142,3 +1142,33 @@ def test_under_a_short_bound_a_head_a_read_waited_for_serves_it_from_disk(http, 
     asked = [method for _, method, path in http.log[start:] if "/plain/c/" in path]
     assert asked == ["HEAD"] * 16, asked
     assert kv.counters.hits == 17 and kv.counters.misses == 0, kv.counters  # zarr.json and 16 chunks
+
+
+def test_a_0d_arrays_one_chunk_is_kept_as_a_chunk_not_a_box(http, data, tmp_path):
+    # a 0-d array's box () is its one chunk's index (): the record keeps the chunk's [key, until] there, never a
+    # box's [keys, until] in its place (whose keys tuple would then be asked of the store as a key)
+    import os
+
+    from stoker.engine.pipeline.prefetch import Revalidated
+
+    z = zarr.create_array(os.path.join(data, "scalar"), shape=(), dtype="uint16", fill_value=0)
+    z[...] = 4321
+    options = _cached(tmp_path)
+    uri = f"{http.url}/scalar"
+    a = stoker.open_array(uri, options, stores=Stores())
+    assert int(a.read(())) == 4321
+    assert _caching(a).cache.flush(30)
+    asked = Revalidated()
+    samples = [stoker.Sample(uri, [])]
+    seen: list = []
+    kv = _caching(a)
+    revalidate = kv.revalidate
+    kv.revalidate = lambda keys: seen.extend(keys) or revalidate(keys)  # type: ignore[method-assign]
+    try:
+        for _ in range(3):
+            revalidate_ahead(samples, lambda u: a, asked)
+    finally:
+        del kv.revalidate
+    assert seen and all(isinstance(k, str) for k in seen)
+    ((index, held),) = asked.of(a).items()
+    assert index == () and isinstance(held[0], str) and held[1] > 0

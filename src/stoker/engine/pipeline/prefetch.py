@@ -328,7 +328,7 @@ def revalidate_ahead(samples: Sequence[Any], reader_of: Callable[[str], Any],
                 spans = cells_touched(part.aabb, meta.shape, meta.chunk_shape)
                 chunks = asked.of(reader) if asked is not None else None
                 box = boxed = None
-                if chunks is not None:
+                if chunks is not None and spans:  # (a 0-d array's one chunk is its box: no box record)
                     # the box's chunks all known fresh until then, when last looked at: one look-up, not one a
                     # chunk (a second epoch's crops, many to an array, cover few distinct runs of chunks)
                     box = tuple([(r.start, r.stop) for r in spans])
@@ -397,10 +397,11 @@ class Revalidated:
     the chunk's object (built once) and until when (``time.monotonic()``; 0: not known when last asked) its
     store said it is known and younger than half the staleness bound: what :func:`revalidate_ahead` skips;
     and boxes (a ``(start, stop)`` run of chunks an axis): ``[the keys of its chunks (None where not all
-    were built, or it covers more than :data:`BOX_KEYS`), until]``, until when all its chunks were so (the earliest of theirs; 0: not all were), the box
-    skipped whole till then, and after that its store asked about its keys in one look-up.
-    A pipeline's (:attr:`Ahead.revalidated`); at most :data:`REVALIDATED_ENTRIES` chunks and boxes in all
-    (about 280 bytes each, a box's keys up to ~0.5 KiB more: ~18-34 MiB), :data:`REVALIDATED_CHUNKS` an array and :data:`REVALIDATED_ARRAYS` arrays, past
+    were built, or it covers more than :data:`BOX_KEYS`), until]``, until when all its chunks were so (the
+    earliest of theirs; 0: not all were), the box skipped whole till then, and after that its store asked
+    about its keys in one look-up. A pipeline's (:attr:`Ahead.revalidated`); at most
+    :data:`REVALIDATED_ENTRIES` chunks and boxes in all (about 280 bytes each, a box's keys up to ~0.5 KiB
+    more: ~18-34 MiB), :data:`REVALIDATED_CHUNKS` an array and :data:`REVALIDATED_ARRAYS` arrays, past
     which forgotten (built and asked again): past the bound in all, whole arrays', those first asked about
     first, until a quarter of it is free. Readers are held weakly: an array the pipeline closed or evicted
     is dropped with its chunks, not kept alive here. Read and written by whichever thread revalidates a batch
