@@ -119,7 +119,7 @@ def _fill_attribute(value: Any, dtype: np.dtype, uri: str, name: str) -> list[fl
 
 
 #: the attributes :func:`coding_of` reads (beside a v2 array's ``_ARRAY_DIMENSIONS`` with its stored fill value)
-_CF_KEYS = frozenset(("_Unsigned", "scale_factor", "add_offset", "_FillValue", "missing_value"))
+_CF_KEYS = frozenset(CF_ATTRIBUTES) | {"_Unsigned"}
 
 
 def coding_of(attrs: dict, dtype: np.dtype, zarr_format: int, zarr_fill: Any = None, uri: str = "") -> CFCoding | None:
