@@ -235,6 +235,59 @@ def test_a_range_outside_its_buffer_is_refused_before_any_read(tmp_path, where):
     assert engine.close(5)
 
 
+@pytest.mark.parametrize("wrong", [np.float64, np.int32, np.int8], ids=["float64", "int32", "int8"])
+@pytest.mark.parametrize("table", [0, 1, 2, 3, 8], ids=["chunks", "copies", "sources", "files", "dst_strides"])
+def test_tables_of_another_type_are_refused_by_name(tmp_path, table, wrong):
+    """The tables are read as int64: a numpy array of another type (its bytes the same, so every value checks)
+    is refused with a ValueError naming the table and int64, not read as int64 nor blamed on its values; the
+    same bytes as bytes (what chunk_rows and copy_rows return) are taken as they are."""
+    t = Tables(tmp_path, 2)
+    for i in range(2):
+        t.write(i)
+    engine = native.Engine(1, 1 << 20)
+    args = list(t.args())
+    name = ["chunks", "copies", "sources", "files", "", "", "", "", "dst_strides"][table]
+    good = np.ascontiguousarray(args[table])
+    args[table] = good.view(wrong)
+    with pytest.raises(ValueError, match=f"{name} must be int64"):
+        engine.submit(*args)
+    args[table] = good.tobytes()
+    job = engine.submit(*args)
+    assert job.wait(10)
+    status, _, _ = _results(job)
+    assert (status == native.ST_OK).all()
+    for i in range(2):
+        np.testing.assert_array_equal(t.batch[i], t.expected(i))
+    assert engine.close(5)
+
+
+def test_a_buffer_overlapping_the_batch_is_refused(tmp_path):
+    """A buffer chunks are decoded from that is (part of) the batch they are placed into is refused before any
+    thread reads it: other chunks' copies would write it while its frame is decoded (c-blosc reads a frame's
+    sizes from the buffer again, so a header changed under it is read past the buffer's end). A buffer beside
+    the batch in one allocation is taken."""
+    t = Tables(tmp_path, 2, codec=native.CODEC_BLOSC)
+    _in_memory(t, [0, 1], 2)
+    frames = [numcodecs.Blosc(cname="lz4").encode(_chunk(i).tobytes()) for i in range(2)]
+    engine = native.Engine(1, 1 << 20)
+    whole = np.zeros(t.batch.nbytes + 4096, np.uint8)
+    batch = whole[:t.batch.nbytes].view(np.float32).reshape(t.batch.shape)
+    for at in (0, 100, t.batch.nbytes - 1):  # the batch's first bytes, inside it, its last byte
+        inside = whole[at:at + len(frames[1])]
+        inside[:] = np.frombuffer(frames[1], np.uint8)[:len(inside)]
+        with pytest.raises(ValueError, match="overlaps the batch"):
+            engine.submit(*t.args(batch), [frames[0], inside])
+    beside = whole[t.batch.nbytes:t.batch.nbytes + len(frames[1])]
+    beside[:] = np.frombuffer(frames[1], np.uint8)
+    job = engine.submit(*t.args(batch), [frames[0], beside])
+    assert job.wait(10)
+    status, _, _ = _results(job)
+    assert (status == native.ST_OK).all()
+    for i in range(2):
+        np.testing.assert_array_equal(batch[i], t.expected(i))
+    assert engine.close(5)
+
+
 def test_buffers_live_as_long_as_the_job(tmp_path):
     """The job holds the buffers it reads (the caller may drop its own references at once) and lets them go
     with it."""

@@ -1305,7 +1305,7 @@ def _fits(v: int) -> bool:
 def test_plan_crops_arguments(data):
     """plan_crops takes any int64 buffers: a ValueError, the first crop that ends past its array, or
     plan_grid's plan of the same crops with the bytes they need and whether an array is sharded, as Python's
-    ints compute them."""
+    ints compute them. A box whose extent is not the batch's shape (inside its array) is refused."""
     ndim = data.draw(st.integers(1, 3))
     n_src = data.draw(st.integers(1, 3))
     n = data.draw(st.integers(0, 4))
@@ -1321,6 +1321,10 @@ def test_plan_crops_arguments(data):
     for _ in range(n):
         starts = [data.draw(v(0, 40)) for _ in range(ndim)]
         boxes.append([[s, s + e] if _fits(s + e) else [s, 2**63 - 1] for s, e in zip(starts, shape)])
+        if data.draw(st.integers(0, 5)) == 0:  # a box of another extent than the shape on one axis
+            a, d = data.draw(st.integers(0, ndim - 1)), data.draw(st.sampled_from([-2, -1, 1, 3]))
+            if _fits(boxes[-1][a][1] + d):
+                boxes[-1][a][1] += d
     args = [np.array(boxes, np.int64).reshape(n, ndim, 2), np.array(sids, np.int64), np.array(shape, np.int64),
             array("q", [x for r in rows for x in r])]
     if data.draw(st.integers(0, 7)) == 0:  # a buffer of another type or count
@@ -1339,6 +1343,9 @@ def test_plan_crops_arguments(data):
         if any(boxes[s][a][1] > rows[sids[s]][native.A_SHAPE(ndim) + a] for a in range(ndim)):
             want_outside = s
             break
+    # past the crops' bounds (none outside), every box's extent is the shape's
+    mismatched = not refused and want_outside < 0 and any(
+        b[1] - b[0] != e for box in boxes for b, e in zip(box, shape))
     per = np.array(rows, np.int64)
     starts = np.array([[b[0] for b in box] for box in boxes], np.int64).reshape(n, ndim)
 
@@ -1364,11 +1371,14 @@ def test_plan_crops_arguments(data):
         event("refused")
         if not refused:  # every crop inside its array: a refusal needs a reason
             assert want_outside < 0
-            if bytes_fit:
+            if mismatched:
+                event("refused: a box not of the shape")
+            elif bytes_fit:
                 with pytest.raises((ValueError, MemoryError)):
                     grid()
         return
     assert not refused and outside == want_outside
+    assert outside >= 0 or not mismatched
     if outside >= 0:
         event("outside")
         assert copies is None and chunks is None
@@ -1376,6 +1386,29 @@ def test_plan_crops_arguments(data):
     event("planned")
     assert bytes_fit and bytes_needed == crop * items and any_sharded == any(r[native.A_SHARDED(ndim)] for r in rows)
     assert (copies, chunks) == grid()
+
+
+@pytest.mark.skipif(native.plan_crops is None, reason="the compiled grid planner is not built")
+@pytest.mark.parametrize("box", [(0, 2), (2, 4), (0, 3)])
+def test_plan_crops_refuses_a_box_other_than_the_batch_shape(box):
+    """plan_crops checks a box by its stop but plans it from its start and the batch's shape: a box whose
+    extent is not that shape (here [0, 2) of an axis of 4, planned as 10 long) is refused with a ValueError
+    naming the problem, never planned as a crop past its array (chunks 0..4 of a 2-chunk axis)."""
+    ndim = 1
+    rows = np.zeros(native.ARRAY_ROW_COLS(ndim), np.int64)
+    rows[native.A_ITEMSIZE] = 1
+    rows[native.A_CHUNK_SHAPE] = 2
+    rows[native.A_STRIDES(ndim)] = 1
+    rows[native.A_SHAPE(ndim)] = 4  # the array: 4 long, chunks of 2
+    boxes = np.array([[box]], np.int64)
+    with pytest.raises(ValueError, match="box.*shape"):
+        native.plan_crops(boxes, np.zeros(1, np.int64), np.array([10], np.int64), rows)
+    # the same box with its own extent as the shape is planned: inside the array, a chunk per 2 elements
+    copies, chunks, outside, _, _ = native.plan_crops(boxes, np.zeros(1, np.int64),
+                                                      np.array([box[1] - box[0]], np.int64), rows)
+    assert outside == -1
+    index = np.frombuffer(chunks, np.int64).reshape(-1, native.GRID_CHUNK_COLS + ndim)[:, native.GRID_CHUNK_COLS]
+    assert index.tolist() == list(range(box[0] // 2, (box[1] - 1) // 2 + 1))
 
 
 @pytest.mark.skipif(native.chunk_rows is None, reason="the compiled engine is not built")

@@ -342,6 +342,16 @@ static int check_tables(const plan_tables *t, size_t *need, const char **error) 
     }
     if (t->dst.base == NULL || t->dst.nbytes < 0 || t->dst.kind < 0 || t->dst.kind >= N_DST_KINDS)
         FAIL("the batch target is not (a buffer, a kind of batch)");
+    /* a buffer chunks are decoded from must not be the batch they are placed into: the threads write the batch
+     * while others decode, and a frame whose header changes under its decode (c-blosc reads its sizes again
+     * from the buffer) is read past its end. stoker's buffers are fetched values, never the batch; a direct
+     * call could pass it. Compared as addresses (uintptr_t): two distinct objects. */
+    for (long long b = 0; b < t->n_buffers; b++) {
+        uintptr_t lo = (uintptr_t)t->buffers[b], dst = (uintptr_t)t->dst.base;
+        if (t->buffer_lens[b] > 0 && t->dst.nbytes > 0 && lo < dst + (uintptr_t)t->dst.nbytes &&
+            dst < lo + (uintptr_t)t->buffer_lens[b])
+            FAIL("a buffer overlaps the batch it is placed into");
+    }
     if (t->dst_strides[ndim - 1] != 1)
         FAIL("the batch's innermost stride must be 1");
     for (int k = 0; k < ndim; k++)

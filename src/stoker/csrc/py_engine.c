@@ -69,10 +69,19 @@ static void engine_dealloc(EngineObject *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* an int64 table: a C-contiguous buffer of a whole number of ``width``-value rows; *rows its row count */
+/* an int64 table: a C-contiguous buffer of a whole number of ``width``-value rows; *rows its row count. Typed as
+ * 8-byte integers (numpy's int64, array('q')) or untyped bytes (format 'B': bytes, bytearray, what chunk_rows and
+ * copy_rows return): a float64 or int32 array of the right length was read as int64, and refused, if at all, for
+ * values it never held. The format is a few characters compared, nothing per value: the per-batch cost stays. */
 static int table_buffer(PyObject *obj, Py_buffer *view, long long width, long long *rows, const char *name) {
-    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS) != 0)
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0)
         return -1;
+    if (!native_words(view) && !(view->itemsize == 1 && native_type(view) == 'B')) {
+        PyErr_Format(PyExc_ValueError, "%s must be int64 (numpy int64, array('q')) or bytes of int64 rows, not "
+                                       "items of format '%s'", name, view->format ? view->format : "B");
+        PyBuffer_Release(view);
+        return -1;
+    }
     if (view->len % (Py_ssize_t)(sizeof(int64_t) * width)) {
         PyErr_Format(PyExc_ValueError, "%s must hold rows of %lld int64 values", name, width);
         PyBuffer_Release(view);

@@ -93,6 +93,17 @@ int plan_crops(int ndim, long long n_crops, const int64_t *boxes, const int64_t 
                 return 0;
             }
     }
+    /* planned below from each box's start and ``shape``, checked above by its stop: a box of another extent
+     * (the caller's batch_shape enforces it; a direct call need not) would be planned past its array */
+    for (long long s = 0; s < n_crops; s++)
+        for (int a = 0; a < D; a++) {
+            long long extent;
+            if (__builtin_sub_overflow(boxes[(s * D + a) * 2 + 1], boxes[(s * D + a) * 2], &extent) ||
+                extent != shape[a]) {
+                *error = "a crop's box is not the batch's shape (stop - start must equal it on every axis)";
+                return -1;
+            }
+        }
     long long crop = 1, items = 0;
     for (int a = 0; a < D; a++)
         if (__builtin_mul_overflow(crop, shape[a], &crop))
