@@ -304,8 +304,8 @@ int plan_copy_rows(int ndim, long long n_copies, const int64_t *src_offset, cons
  * engine/planning/tables.py keeps them; first
  * the boxes are checked against their arrays' shapes: *first_outside is the first crop that ends past its array
  * (then nothing is planned), else -1; a box whose stop - start is not ``shape`` on some axis is an error (it
- * would be planned from its start past its array); *bytes_needed the crops' elements times their item sizes; *any_sharded
- * whether an array is sharded */
+ * would be planned from its start past its array); *bytes_needed the crops' elements times their item sizes;
+ * *any_sharded whether an array is sharded */
 int plan_crops(int ndim, long long n_crops, const int64_t *boxes, const int64_t *sids, const int64_t *shape,
                long long n_sources, const int64_t *rows, grid_plan *out, long long *first_outside,
                long long *bytes_needed, int *any_sharded, const char **error);
