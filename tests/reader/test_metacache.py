@@ -319,3 +319,44 @@ def test_v2_documents_of_the_same_bytes_keep_each_arrays_own_separator(tmp_path,
         np.testing.assert_array_equal(arr[:], data + len(name))
     # the nested array's separator differs from the shared parse's: parsed for it; the flat one's again: shared
     assert parses == [{"separator": "."}, {"separator": "/"}]
+
+
+@pytest.mark.parametrize("layout", [name for name, _ in _layouts() if name.startswith("v3")])
+def test_a_store_document_of_the_same_bytes_is_parsed_once_and_names_each_array(tmp_path, layout, monkeypatch):
+    """Arrays read through a store (here a zip archive; an object store's the same way) whose zarr.json hold
+    the same bytes share one parse, as local files do: equal to a parse of its own, naming its own URI,
+    reading its own data; opened again (a new pipeline's open), not parsed again."""
+    import zipfile
+
+    from stoker.storage.locate import Stores
+
+    write = dict(_layouts())[layout]
+    metacache.clear()
+    data = {}
+    for name in ("first", "second"):
+        z = write(str(tmp_path / "g" / f"{name}.zarr"))
+        data[name] = z[:] = (np.arange(256, dtype="<u2").reshape(16, 16) * (7 if name == "first" else 13)) % 65521
+    archive = tmp_path / "d.zip"
+    with zipfile.ZipFile(archive, "w") as zf:
+        for path in sorted((tmp_path / "g").rglob("*")):
+            if path.is_file():
+                zf.write(path, path.relative_to(tmp_path / "g").as_posix())
+    parses = []
+    real = metadata.parse_v3
+    monkeypatch.setattr(array_module, "parse_v3", lambda *a, **k: parses.append(a[1]) or real(*a, **k))
+    stores = Stores()
+    try:
+        uris = {name: f"zip://{archive}!/{name}.zarr" for name in ("first", "second")}
+        first = stoker.open_array(uris["first"], stores=stores)
+        second = stoker.open_array(uris["second"], stores=stores)
+        again = stoker.open_array(uris["first"], stores=stores)
+        assert parses == [uris["first"]]
+        own = real(json.loads((tmp_path / "g" / "second.zarr" / "zarr.json").read_text()), uris["second"])
+        assert second.metadata == own and repr(second.metadata) == repr(own)
+        assert again.metadata == first.metadata
+        assert set(_strings(second.metadata)) >= {uris["second"]} and uris["first"] not in _strings(second.metadata)
+        np.testing.assert_array_equal(first[:], data["first"])
+        np.testing.assert_array_equal(second[:], data["second"])
+        np.testing.assert_array_equal(again[:], data["first"])
+    finally:
+        stores.close()

@@ -41,3 +41,22 @@ def test_a_folder_that_is_also_a_key_stays():
     tree.add("k")
     tree.clear()
     assert len(tree) == 0 and tree.pop_under("") == []
+
+
+def test_add_many_holds_what_add_holds_one_at_a_time():
+    rng = random.Random(1)
+    parts = ["a", "ab", "c", "0", "1", "zarr.json", "", "é"]
+    for _ in range(200):
+        pages = [[rng.choice(parts) if rng.random() < 0.2 else "/".join(rng.choice(parts) for _ in range(
+            rng.randint(1, 4))) for _ in range(rng.randint(0, 30))] for _ in range(3)]
+        one, many = KeyTree(), KeyTree()
+        for page in pages:
+            for key in page:
+                one.add(key)
+            many.add_many(page)
+            one.add("a/c/0")  # between pages: add after add_many finds the same folders
+            many.add("a/c/0")
+        assert len(many) == len(one)
+        for prefix in ("a", "", "ab/c"):
+            assert sorted(many.pop_under(prefix)) == sorted(one.pop_under(prefix))
+            assert len(many) == len(one)

@@ -185,6 +185,25 @@ def test_absolute_local_paths_are_located_as_their_normal_form(path):
         assert locate(path) == Location(path, None, "", os.path.abspath(path))
 
 
+@pytest.mark.parametrize("uri", ["s3://b/g.zarr/a", "gs://b/x%20y.zarr/a/", "https://h:8/x/y",
+                                 "https://s3.eu-west-1.amazonaws.com/bkt/g.zarr/a", "az://c/g.zarr"])
+def test_a_remote_uri_is_located_the_same_each_time(uri):
+    """locate keeps the Location of a remote URI (a function of the string alone: each open of a pipeline asks
+    it three times): equal to what the URI's parts say, also when asked again."""
+    from stoker.storage.uri import store_root
+
+    root, inside = store_root(uri)
+    for _ in range(2):
+        assert locate(uri) == Location(uri, root, inside.strip("/"))
+
+
+@pytest.mark.parametrize("uri", ["s3://b/g.zarr/../a", "s3:///g.zarr", "https://u:p@h/g.zarr", "s3://b/a?x=1"])
+def test_a_refused_remote_uri_is_refused_each_time(uri):
+    for _ in range(2):
+        with pytest.raises(InvalidArgument):
+            locate(uri)
+
+
 def test_a_relative_path_is_located_from_the_working_folder_of_the_moment(tmp_path, monkeypatch):
     for sub in ("one", "two"):
         (tmp_path / sub).mkdir()

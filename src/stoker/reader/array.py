@@ -259,8 +259,16 @@ def read_store_metadata(hierarchy: Hierarchy, prefix: str, uri: str) -> ArrayMet
     if own is not None:
         key, raw = own
         if key.endswith("zarr.json"):
+            # a document holding the same bytes as one parsed before (another array's of the dataset, or this
+            # one's at an earlier open: a new pipeline opens each of its arrays afresh) is not parsed again,
+            # as read_metadata does for local files
+            shared = metacache.parse_of("zarr.json", raw)
+            if shared is not None:
+                return renamed(shared[1], uri)
             doc = parse_json(raw, uri, "zarr.json")
-            return with_document(_v3(doc, uri), doc)  # its attributes: a request spared (reader.coords)
+            meta = with_document(_v3(doc, uri), doc)  # its attributes: a request spared (reader.coords)
+            metacache.share_parse("zarr.json", raw, None, meta)
+            return meta
         zarray = parse_json(raw, uri, ".zarray")
         return parse_v2(zarray, uri, separator=_store_separator(hierarchy, prefix, zarray, uri))
     if hierarchy.exists(join(".zgroup")):

@@ -370,10 +370,23 @@ class CachingStore:
     def _learn_page(self, listing: "_Listing", pairs: list | None, more: bool) -> None:
         """Under the lock: what a page of ``listing`` states, learnt (nothing if another listing replaced it)."""
         if pairs is not None and self._listings.get(listing.prefix) is listing:
+            # what _set_known does a key, for the page's 1,000 keys in one loop (a listing per array opened)
+            started, known_map, new, changes = listing.started, self._known, [], 0
+            learnt = (_UNCACHED, started)
+            get = known_map.get
             for key, version in pairs:
-                known = self._known.get(key)
-                if known is None or known[1] <= listing.started:  # a newer read's answer stays
-                    self._set_known(key, known, _UNCACHED if version is None else version, listing.started)
+                known = get(key)
+                if known is None:
+                    new.append(key)
+                elif known[1] > started:  # a newer read's answer stays
+                    continue
+                elif version is None:
+                    changes += known[0] is not _UNCACHED
+                elif known[0] is not version and known[0] != version:
+                    changes += 1
+                known_map[key] = learnt if version is None else (version, started)
+            self._known_keys.add_many(new)
+            self.changes += changes
             listing.listed += len(pairs)
             if pairs:
                 listing.upto = pairs[-1][0]

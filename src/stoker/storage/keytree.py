@@ -58,6 +58,34 @@ class KeyTree:
             node[_KEY] = True
             self._n += 1
 
+    def add_many(self, keys: list[str]) -> None:
+        """Hold each of ``keys``, as :meth:`add` does one at a time: a listing page's 1,000 keys (those of one
+        folder after the other) are found their folder's dict once per folder, with no call per key."""
+        last = self._last
+        n = 0
+        for key in keys:
+            folder, slash, name = key.rpartition("/")
+            if last is not None and slash and last[0] == folder:
+                node = last[1]
+            else:
+                node = self._root
+                if slash:
+                    for part in folder.split("/"):
+                        child = node.get(part)
+                        if child is None:
+                            child = node[part] = {}
+                        node = child
+                    last = (folder, node)
+            child = node.get(name)
+            if child is None:
+                node[name] = {_KEY: True}
+                n += 1
+            elif _KEY not in child:
+                child[_KEY] = True
+                n += 1
+        self._last = last
+        self._n += n
+
     def pop_under(self, prefix: str) -> list[str]:
         """Remove and return the keys under the folder ``prefix`` (those that start with ``prefix + "/"``;
         every key for ``""``), not ``prefix`` itself where it is a key."""

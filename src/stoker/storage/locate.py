@@ -72,18 +72,16 @@ def locate(uri: str | os.PathLike) -> Location:
     """The :class:`Location` of ``uri`` (see the module docstring); local paths stay paths."""
     if type(uri) is str and uri[:1] == "/" and "://" not in uri and ".zip" not in uri.lower():
         return _absolute_location(uri)
+    if type(uri) is str and "://" in uri:
+        remote = _remote_location(uri)
+        if remote is not None:
+            return remote
     if not isinstance(uri, (str, os.PathLike)):
         raise InvalidArgument(f"an array URI must be a string or path, got {type(uri).__name__}")
     uri = os.fspath(uri)
     scheme = urlparse(uri).scheme.lower() if "://" in uri else ""
     if scheme in REMOTE_SCHEMES:
-        check_remote_url(uri)  # before any message of ours can print it
-        parsed = urlparse(uri)
-        if not parsed.netloc:
-            raise InvalidArgument(f"{uri}: names no bucket, container or host (expected {scheme}://name/path)",
-                                  uri=uri)
-        root, inside = store_root(uri)
-        return Location(uri, root, _prefix(uri, inside))
+        return _remote_location(uri)  # type: ignore[return-value]  # remote: never None
     if scheme == "zip":
         archive, bang, inner = uri[len("zip://"):].partition("!")
         if not archive:
@@ -108,6 +106,24 @@ def _absolute_location(uri: str) -> Location:
     folder, no file looked at), kept because a pipeline opens each of its arrays afresh and this took about
     a third of opening one whose metadata the process had parsed before."""
     return Location(uri, None, "", os.path.normpath(uri))
+
+
+@functools.lru_cache(maxsize=16384)
+def _remote_location(uri: str) -> Location | None:
+    """The Location of a remote URI (None: ``uri`` is not one): a function of the string alone (no working
+    folder, no file looked at; a URI refused raises every time, as nothing is kept of it), kept because a
+    pipeline asks it three times at each open of an array (its open, its attributes, whether it has local
+    metadata files to watch), and a new pipeline opens each of its arrays afresh."""
+    scheme = urlparse(uri).scheme.lower()
+    if scheme not in REMOTE_SCHEMES:
+        return None
+    check_remote_url(uri)  # before any message of ours can print it
+    parsed = urlparse(uri)
+    if not parsed.netloc:
+        raise InvalidArgument(f"{uri}: names no bucket, container or host (expected {scheme}://name/path)",
+                              uri=uri)
+    root, inside = store_root(uri)
+    return Location(uri, root, _prefix(uri, inside))
 
 
 def _split_archive(path: str) -> tuple[str, str] | None:
