@@ -392,6 +392,22 @@ def test_pending_orders_tiles_so_regions_are_written_from_the_first_batches(tmp_
     np.testing.assert_array_equal(zarr.open_array(str(tmp_path / "out.zarr"), mode="r")[:], data)
 
 
+def test_pending_gives_each_tile_with_the_first_region_it_touches(tmp_path):
+    """pending()'s documented order: regions in C order, each tile with the first region its kept box touches,
+    the grid's order within a region. Tiles whose kept boxes span 2 or 3 regions, so grouping them by their last
+    region (or any other) gives another order."""
+    shape = (16, 32, 32)
+    zarr.create_array(str(tmp_path / "in.zarr"), shape=shape, chunks=(8, 8, 8), dtype="f4")
+    grid = stoker.TileGrid([str(tmp_path / "in.zarr")], (12, 12, 12), stride=(6, 6, 6))
+    writer = stoker.TileWriter(str(tmp_path / "out.zarr"), shape, (8, 8, 8), "f4", crop=0, grid=grid,
+                               write_threads=0)
+    tiles = [grid.sample(0, i) for i in range(len(grid))]
+    order = sorted(range(len(tiles)), key=lambda i: (tuple(a // 8 for a, _ in box_of(tiles[i])), i))
+    assert order != sorted(range(len(tiles)), key=lambda i: (tuple((b - 1) // 8 for _, b in box_of(tiles[i])), i))
+    assert [box_of(s) for s in writer.pending(grid)] == [box_of(tiles[i]) for i in order]
+    writer.close()
+
+
 def test_subtract_leaves_disjoint_boxes_covering_the_rest():
     """``blend="none"`` copies a part as its box less the boxes that win over it: the pieces are disjoint and
     cover exactly the voxels no other box covers."""
