@@ -127,13 +127,19 @@ def test_v2_and_sharded_arrays(volume, tmp_path, layout):
         assert writer.written == 2 * 2 * 2
 
 
-def test_repeated_tiles_count_once(volume, tmp_path):
-    """A short rank's wrap-around repeats tiles; a repeat must not weigh twice."""
+@pytest.mark.parametrize("with_grid", [True, False])
+def test_repeated_tiles_count_once(volume, tmp_path, with_grid):
+    """A short rank's wrap-around repeats tiles; a repeat must not weigh twice. The repeats come before the
+    regions they touch are finished (a shuffled grid's, or a writer without grid= whose regions all wait for
+    close()): repeats after a region is written are skipped as written, not as seen."""
     uri, data = volume
     grid = stoker.TileGrid([uri], TILE, stride=STRIDE)
-    w = stoker.TileWriter(str(tmp_path / "o.zarr"), SHAPE, (4, 8, 8), "f4", blend="linear", crop=CROP, grid=grid)
+    w = stoker.TileWriter(str(tmp_path / "o.zarr"), SHAPE, (4, 8, 8), "f4", blend="linear", crop=CROP,
+                          grid=grid if with_grid else None)
     tiles = [grid.sample(0, i) for i in range(len(grid))]
-    for s in tiles + tiles[:3]:
+    # tiles[1] ahead of its region's other tiles: its kept box overlaps tiles[2]'s (the last of the x axis, shifted
+    # back to the border), which comes once, so a repeat weighing twice moves the blend there
+    for s in tiles[1:2] + tiles + tiles[:3]:
         w.write([s], model(torch.from_numpy(data[tuple(slice(a, b) for a, b in s.aabb)][None]), 0))
     w.close()
     np.testing.assert_allclose(zarr.open_array(str(tmp_path / "o.zarr"))[:], reference(data, "linear", 0),
@@ -384,6 +390,22 @@ def test_pending_orders_tiles_so_regions_are_written_from_the_first_batches(tmp_
     half = len(written) // 2
     assert written[0] > 0 and written[half - 1] >= len(writer.owned_regions()) // 3, written
     np.testing.assert_array_equal(zarr.open_array(str(tmp_path / "out.zarr"), mode="r")[:], data)
+
+
+def test_pending_gives_each_tile_with_the_first_region_it_touches(tmp_path):
+    """pending()'s documented order: regions in C order, each tile with the first region its kept box touches,
+    the grid's order within a region. Tiles whose kept boxes span 2 or 3 regions, so grouping them by their last
+    region (or any other) gives another order."""
+    shape = (16, 32, 32)
+    zarr.create_array(str(tmp_path / "in.zarr"), shape=shape, chunks=(8, 8, 8), dtype="f4")
+    grid = stoker.TileGrid([str(tmp_path / "in.zarr")], (12, 12, 12), stride=(6, 6, 6))
+    writer = stoker.TileWriter(str(tmp_path / "out.zarr"), shape, (8, 8, 8), "f4", crop=0, grid=grid,
+                               write_threads=0)
+    tiles = [grid.sample(0, i) for i in range(len(grid))]
+    order = sorted(range(len(tiles)), key=lambda i: (tuple(a // 8 for a, _ in box_of(tiles[i])), i))
+    assert order != sorted(range(len(tiles)), key=lambda i: (tuple((b - 1) // 8 for _, b in box_of(tiles[i])), i))
+    assert [box_of(s) for s in writer.pending(grid)] == [box_of(tiles[i]) for i in order]
+    writer.close()
 
 
 def test_subtract_leaves_disjoint_boxes_covering_the_rest():

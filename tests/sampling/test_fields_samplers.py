@@ -355,6 +355,25 @@ def test_nan_in_a_float_mask_is_no_foreground(volume, tmp_path):
     assert len(src.volumes[0].qualifying) < src.volumes[0].volume.n_anchors
 
 
+@pytest.mark.parametrize("dtype", ["i1", "f4"])
+def test_a_masks_negative_values_are_foreground(volume, tmp_path, dtype):
+    """Foreground is nonzero (Mask's docs), negative values too (a signed label map, a signed distance): a mask
+    holding -1 (or -0.5) for half of the 0/1 mask's foreground qualifies exactly the anchors of the 0/1 one."""
+    data = volume["mask_data"]
+    signed = data.astype(dtype)
+    negative = (data != 0) & (np.indices(data.shape).sum(0) % 2 == 1)
+    signed[negative] = -1 if dtype == "i1" else -0.5
+    assert (signed < 0).sum() > 0 and np.array_equal(signed != 0, data != 0)
+    uri = str(tmp_path / "signed.zarr")
+    zarr.create_array(uri, shape=signed.shape, chunks=(8, 8, 8), dtype=dtype)[:] = signed
+    src = stoker.RandomCrops(_fields(volume), seed=0, samples_per_epoch=500,
+                             mask=stoker.Mask(uri, min_fraction=0.25, field="labels", scale=4))
+    plain = stoker.RandomCrops(_fields(volume), seed=0, samples_per_epoch=500,
+                               mask=stoker.Mask(volume["mask"], min_fraction=0.25, field="labels", scale=4))
+    np.testing.assert_array_equal(src.volumes[0].qualifying, plain.volumes[0].qualifying)
+    assert 0 < len(src.volumes[0].qualifying) < src.volumes[0].volume.n_anchors
+
+
 @pytest.mark.parametrize("zarr_format", [2, 3])
 @pytest.mark.parametrize("dtype,fill", [("u1", 255), ("u8", 2**64 - 1)])
 def test_a_masks_cf_missing_value_is_no_foreground(volume, tmp_path, zarr_format, dtype, fill):

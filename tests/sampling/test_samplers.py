@@ -41,6 +41,10 @@ def test_global_order_depends_only_on_seed_and_epoch(arrays):
     assert a.sample(1, 1500 % 200) == b.sample(1, 1500 % 200)  # any index is reachable directly
     g = stoker.TileGrid(arrays, (4, 4), shuffle=True, seed=1)
     assert sorted(map(repr, _epoch(g, 0))) == sorted(map(repr, _epoch(g, 1))) and _epoch(g, 0) != _epoch(g, 1)
+    # a shuffled grid's order is its seed's too: the same seed in another grid gives it, another seed does not
+    assert _epoch(stoker.TileGrid(arrays, (4, 4), shuffle=True, seed=1), 0) == _epoch(g, 0)
+    other = stoker.TileGrid(arrays, (4, 4), shuffle=True, seed=2)
+    assert sorted(map(repr, _epoch(other, 0))) == sorted(map(repr, _epoch(g, 0))) and _epoch(other, 0) != _epoch(g, 0)
 
 
 def test_random_crops_in_bounds_and_weighted(arrays):

@@ -73,6 +73,21 @@ def test_a_loop_that_stops_early_continues_where_it_stopped(group):
     assert np.array_equal(torch.cat(first + rest).numpy(), _oracle(data, _epoch_samples(uris, 0)))
 
 
+def test_set_epoch_starts_that_epoch_from_its_first_batch(group):
+    """set_epoch(e), as a training loop calls it before each epoch (docs/dataloader.md): the next iter() yields
+    epoch e's batches from its first, also when called mid-epoch and when going back to an earlier epoch."""
+    uris, data = group
+    ds = stoker.CropDataset(_source(uris).for_rank(0, 1), stoker.Config(**CFG), copy=True)
+    it = iter(DataLoader(ds, batch_size=None))
+    next(it)  # mid-epoch 0: set_epoch ends this iteration
+    for epoch in (3, 1):
+        ds.set_epoch(epoch)
+        assert (ds.state_dict()["epoch"], ds.state_dict()["position"], len(ds)) == (epoch, 0, 6)
+        got = list(DataLoader(ds, batch_size=None))
+        assert np.array_equal(torch.cat(got).numpy(), _oracle(data, _epoch_samples(uris, epoch)))
+    del it
+
+
 def test_zero_copy_batches_are_not_overwritten_while_held(group):
     """Holding every batch of a zero-copy dataset: the slots are not reused under them, so the pipeline runs
     out of slots and says so (PoolStarved naming the fix) rather than overwrite one."""

@@ -181,11 +181,15 @@ class Batches:
 def test_accumulation_equals_one_big_batch():
     batches = jobs.global_batches(3, 4)
     big = _trainer()
-    big.fit(batches, steps=3, resume=None)
+    whole = big.fit(batches, steps=3, resume=None)
     small = _trainer(accumulate=2)
-    small.fit([half for b in batches for half in (b[:2], b[2:])], steps=3, resume=None)
+    halves = small.fit([half for b in batches for half in (b[:2], b[2:])], steps=3, resume=None)
     for a, b in zip(big.module.parameters(), small.module.parameters()):
         torch.testing.assert_close(a, b)
+    # a step's loss is the mean of its micro-batches' (the mean over the global batch), not their sum
+    assert sorted(halves.losses) == sorted(whole.losses) == [1, 2, 3]
+    for step, loss in whole.losses.items():
+        assert halves.losses[step] == pytest.approx(loss, rel=1e-5)
     assert any(not torch.equal(p, q) for p, q in zip(big.module.parameters(), jobs.Tiny().parameters()))  # trained
 
 
