@@ -665,18 +665,23 @@ def test_revalidate_ahead_skips_objects_its_store_knows_fresh_until_half_the_bou
     assert heads() == 16 and not [p for _, m, p in http.log[start:] if m == "GET" and "/plain/c/" in p]
 
 
+def _read_through_cache(http, data, tmp_path):
+    """The array "plain" over ``http`` read whole once through a disk cache (its entries written):
+    ``(reader, samples touching each of its 16 objects once)``."""
+    uri = f"{http.url}/plain"
+    a = stoker.open_array(uri, _cached(tmp_path), stores=Stores())
+    np.testing.assert_array_equal(a.read((slice(0, 64), slice(0, 64))), zarr_values(data, "plain"))
+    assert _caching(a).cache.flush(30)
+    return a, _every_object(uri)
+
+
 def test_revalidate_ahead_skips_a_box_whose_chunks_were_all_fresh_in_one_look_up(http, data, tmp_path):
     # a second epoch asks about the same boxes again: once every chunk of a box was found fresh, the box is
     # kept with the earliest of their "until"s and skipped whole (one look-up, not one a chunk) till then;
     # past that, its store is asked in one look-up whether its kept keys are all fresh, chunk by chunk if not
     from stoker.engine.pipeline.prefetch import Revalidated
 
-    options = _cached(tmp_path)
-    uri = f"{http.url}/plain"
-    a = stoker.open_array(uri, options, stores=Stores())
-    np.testing.assert_array_equal(a.read((slice(0, 64), slice(0, 64))), zarr_values(data, "plain"))
-    assert _caching(a).cache.flush(30)
-    samples = _every_object(uri)
+    a, samples = _read_through_cache(http, data, tmp_path)
     asked = Revalidated()
     assert revalidate_ahead(samples, lambda u: a, asked) == 16  # known: each told fresh, kept
     assert revalidate_ahead(samples, lambda u: a, asked) == 0  # each chunk fresh: the boxes kept
@@ -713,12 +718,7 @@ def test_a_box_of_more_chunks_than_box_keys_keeps_no_keys(http, data, tmp_path, 
     from stoker.engine.pipeline.prefetch import Revalidated
 
     monkeypatch.setattr(prefetch, "BOX_KEYS", 0)
-    options = _cached(tmp_path)
-    uri = f"{http.url}/plain"
-    a = stoker.open_array(uri, options, stores=Stores())
-    np.testing.assert_array_equal(a.read((slice(0, 64), slice(0, 64))), zarr_values(data, "plain"))
-    assert _caching(a).cache.flush(30)
-    samples = _every_object(uri)
+    a, samples = _read_through_cache(http, data, tmp_path)
     asked = Revalidated()
     assert revalidate_ahead(samples, lambda u: a, asked) == 16
     assert revalidate_ahead(samples, lambda u: a, asked) == 0
