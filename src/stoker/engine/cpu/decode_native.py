@@ -37,7 +37,7 @@ import os
 import threading
 import time
 from array import array
-from typing import Callable
+from typing import Any, Callable
 
 import numcodecs
 import numpy as np
@@ -222,17 +222,18 @@ def shared_source(reader, dtype: torch.dtype, kind: int | None, budget: int) -> 
     if not reader.kv.is_local:  # its store is one pipeline's: NativeDecoder keeps its _Source per pipeline
         raise ValueError(f"{reader.uri}: shared_source describes local arrays only")
     meta = reader.metadata
-    return _kept(_shared_sources, (id(meta), reader.file_path(""), dtype, kind, budget), meta,
-                 lambda: _Source(reader, dtype, kind, budget))
+    return _kept(_shared_sources, (id(meta), reader.file_path(""), dtype, kind, budget), meta, _Source, reader,
+                 dtype, kind, budget)
 
 
-def _kept(table: dict, key: tuple, holder: object, make: Callable[[], _Source]) -> _Source:
+def _kept(table: dict, key: tuple, holder: object, make: Callable[..., _Source], *args: Any) -> _Source:
     """``table``'s _Source for ``key`` (whose first part is ``id(holder)``: an entry holds its holder, so the id
-    is not reused while it is kept), made and kept on a miss; past :data:`SHARED_SOURCES` entries the table
+    is not reused while it is kept), ``make(*args)`` and kept on a miss (its arguments passed, not a closure
+    made per call: every batch asks for each of its arrays'); past :data:`SHARED_SOURCES` entries the table
     is emptied (arrays come and go: a long-running pipeline meets new ones)."""
     held = table.get(key)
     if held is None or held[0] is not holder:
-        held = remember(table, key, (holder, make()), SHARED_SOURCES)
+        held = remember(table, key, (holder, make(*args)), SHARED_SOURCES)
     return held[1]
 
 
@@ -590,15 +591,14 @@ class NativeDecoder:
     def _source(self, reader, dtype: torch.dtype, kind: int | None) -> _Source:
         """The engine's description of ``reader``'s array, kept per reader: a reader's metadata never changes,
         and a batch of arrays new to the set (many small arrays) asks for each every batch."""
-        key = (id(reader), dtype, kind)
-        held = self._sources.get(key)
-        if held is not None and held[0] is reader:  # kept (every batch but a reader's first): no closure made
-            return held[1]
+        return _kept(self._sources, (id(reader), dtype, kind), reader, self._new_source, reader, dtype, kind)
+
+    def _new_source(self, reader, dtype: torch.dtype, kind: int | None) -> _Source:
         # a local array: described once per process; an array in a store: the store is this pipeline's, and so
         # is its _Source
-        return _kept(self._sources, key, reader,
-                     lambda: shared_source(reader, dtype, kind, self.scratch_bytes) if reader.kv.is_local
-                     else _Source(reader, dtype, kind, self.scratch_bytes))
+        if reader.kv.is_local:
+            return shared_source(reader, dtype, kind, self.scratch_bytes)
+        return _Source(reader, dtype, kind, self.scratch_bytes)
 
     def _source_set(self, readers: list, dtype: torch.dtype, kind: int | None) -> "_SourceSet":
         """The engine's view of a batch's arrays, kept while the same arrays come again (a training run over
