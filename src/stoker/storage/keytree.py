@@ -16,6 +16,8 @@ are that folder's subtree.
 
 from __future__ import annotations
 
+from typing import Iterable
+
 #: the mark, in a folder's dict, that the folder's own path is a key (its other entries are its parts)
 _KEY = None
 
@@ -37,28 +39,9 @@ class KeyTree:
 
     def add(self, key: str) -> None:
         """Hold ``key`` (once, however often added)."""
-        folder, _, name = key.rpartition("/")
-        last = self._last
-        if last is not None and last[0] == folder and key != name:
-            node = last[1]
-        else:
-            node = self._root
-            if key != name:  # in a folder (else at the root)
-                for part in folder.split("/"):
-                    child = node.get(part)
-                    if child is None:
-                        child = node[part] = {}
-                    node = child
-                self._last = (folder, node)
-        child = node.get(name)
-        if child is None:
-            child = node[name] = {}
-        node = child
-        if _KEY not in node:
-            node[_KEY] = True
-            self._n += 1
+        self.add_many((key,))
 
-    def add_many(self, keys: list[str]) -> None:
+    def add_many(self, keys: Iterable[str]) -> None:
         """Hold each of ``keys``, as :meth:`add` does one at a time: a listing page's 1,000 keys (those of one
         folder after the other) are found their folder's dict once per folder, with no call per key."""
         last = self._last
