@@ -457,8 +457,8 @@ class Pipeline:
         since they were opened) are opened anew by its batches, and shards found not stored are looked for
         again, as a new pipeline would (a pipeline pushed again without this call keeps what it learnt). For a
         loop that keeps one pipeline across epochs and wants each epoch's batches to be its own, as
-        :class:`~stoker.CropDataset` with ``persistent=True`` does. Returns the samples dropped; ``InvalidArgument`` while a push still has
-        samples to give or a batch is in flight.
+        :class:`~stoker.CropDataset` with ``persistent=True`` does. Returns the samples dropped;
+        ``InvalidArgument`` while a push still has samples to give or a batch is in flight.
 
         >>> for batch in p: ...                     # epoch 0 of a source of 30 samples, batches of 8
         >>> p.drop_used_up()                        # 6: fewer than a batch, not mixed into epoch 1

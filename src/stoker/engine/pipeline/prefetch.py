@@ -515,6 +515,5 @@ def _on_disk(kv: PrefetchStore, keys: dict, ranges: dict) -> tuple[int, dict]:
 
 
 __all__ = ["Ahead", "BOX_KEYS", "MAX_AHEAD", "MAX_INDEXES_AHEAD", "MAX_REVALIDATE", "QUIET_AFTER",
-           "REVALIDATED_ARRAYS",
-           "REVALIDATED_CHUNKS", "REVALIDATED_ENTRIES",
-           "Revalidated", "indexes_ahead", "listed_whole", "prefetch_plan", "revalidate_ahead"]
+           "REVALIDATED_ARRAYS", "REVALIDATED_CHUNKS", "REVALIDATED_ENTRIES", "Revalidated", "indexes_ahead",
+           "listed_whole", "prefetch_plan", "revalidate_ahead"]
