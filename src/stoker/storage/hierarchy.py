@@ -2,11 +2,13 @@
 
 Opening an array ``g.zarr/a`` looks at its ancestors, nearest first, for consolidated metadata: a v3
 group's ``zarr.json`` with ``consolidated_metadata``, or a v2 group's ``.zmetadata``. The first one that
-lists the array gives its document with no request of its own. The walk stops at an ancestor that is
-neither (no ``zarr.json``, no ``.zmetadata``) or that is not a group, and every answer (found or not)
-is kept per store, so opening many arrays of one hierarchy costs a constant number of round trips: the
-first array pays for the walk (two requests per level at most), later ones read nothing (consolidated)
-or only their own document (not consolidated).
+lists the array gives its document with no request of its own. A v2 group without ``.zmetadata`` (a
+``.zgroup`` only) is walked past, as zarr-python's consolidated metadata of a group lists every node below
+it: ``r.zarr/a/b`` is found in ``r.zarr/.zmetadata`` though ``r.zarr/a`` has none. The walk stops at an
+ancestor that is no group (no ``zarr.json``, ``.zmetadata`` nor ``.zgroup``: above the hierarchy) or a v3
+node that is not a group, and every answer (found or not) is kept per store, so opening many arrays of one
+hierarchy costs a constant number of round trips: the first array pays for the walk (three requests per
+level at most), later ones read nothing (consolidated) or only their own document (not consolidated).
 
 A group's documents are loaded once however many threads ask at once (single flight): the first asks
 the store, the others wait for its answer (at most :data:`LOAD_WAIT_S`); a failure is raised in all of
@@ -196,8 +198,8 @@ class Hierarchy:
         elif known is None and fmt == 3:
             node = None  # a v3 hierarchy's folder without zarr.json: no document
         else:
-            # never read; or no zarr.json there (known None: nor .zmetadata), so v2's own documents are left;
-            # or a v2 group known by its .zmetadata, whose .zattrs is read as it is now
+            # never read; or no zarr.json there (known None: nor .zmetadata nor .zgroup), so v2's own documents
+            # are left; or a v2 group known by its .zmetadata or .zgroup, whose .zattrs is read as it is now
             node = read_group_node(lambda name: self.read(_join(group, name), uri, optional=True),
                                    fmt if known is self else 2)
         with self._lock:
@@ -257,7 +259,8 @@ class Hierarchy:
             return 3, entries if isinstance(entries, dict) else {}, True, _json_object(doc.get("attributes", {}))
         raw = self.read(_join(group, ".zmetadata"), uri, optional=True)
         if raw is None:
-            return None
+            # a v2 group consolidated at no level of its own is walked past (an ancestor's may list its nodes)
+            return (2, {}, True, None) if self.exists(_join(group, ".zgroup")) else None
         doc = parse_json(raw, uri, _join(group, ".zmetadata"))
         entries = doc.get("metadata")
         if not isinstance(entries, dict):
