@@ -144,17 +144,20 @@ def _both_layouts(uri: str, flat: str, nested: str) -> MetadataError:
         f"nested ones (directory {nested!r}); add \"dimension_separator\" to .zarray to say which", uri=uri)
 
 
-def read_metadata(path: str, store: LocalStore, uri: str | None = None) -> ArrayMetadata:
+def read_metadata(path: str, store: LocalStore, uri: str | None = None,
+                  stats: tuple[os.stat_result | None, os.stat_result | None] | None = None) -> ArrayMetadata:
     """Parse the metadata of the array at local ``path`` (v3 ``zarr.json`` first, then v2 ``.zarray``).
 
     A document unchanged since an earlier open is not read again (:mod:`stoker.reader.metacache`: its
     file's identity says so), and one holding the same bytes as another array's is not parsed again; a v2
     array's chunk key separator, when ``.zarray`` does not name it, is detected anew on every open (chunks
-    written since may tell)."""
+    written since may tell). ``stats``: those of ``zarr.json`` and ``.zarray``
+    (:func:`~stoker.reader.metacache.stat_document`'s) its caller took just before, so that they are not
+    taken twice (a pipeline keeps them to tell a rewrite: the parse it keeps is the one of those files)."""
     uri = uri or path
     folder = _folder(path)
     doc_path = folder + "zarr.json"
-    before = metacache.stat_document(doc_path)
+    before = metacache.stat_document(doc_path) if stats is None else stats[0]
     kept = metacache.lookup(doc_path, uri, before)
     if kept is not None:
         return kept
@@ -172,7 +175,7 @@ def read_metadata(path: str, store: LocalStore, uri: str | None = None) -> Array
         metacache.keep(doc_path, uri, before, got[1], meta, len(got[0]))
         return meta
     doc_path = folder + ".zarray"
-    before = metacache.stat_document(doc_path)
+    before = metacache.stat_document(doc_path) if stats is None else stats[1]
     kept = metacache.lookup(doc_path, uri, before)
     if kept is not None:
         meta, doc = kept
@@ -1097,7 +1100,12 @@ def open_array(uri: str | os.PathLike, storage_options: dict[str, Any] | None = 
     if storage_options:
         raise InvalidArgument(f"{uri}: storage_options apply to remote URIs only (s3://, gs://, az://, "
                               "http(s)://); drop them for a local path", uri=os.fspath(uri))
-    path = loc.path
+    return open_local(loc.path, os.fspath(uri), store, index_cache)
+
+
+def open_local(path: str, uri: str, store: LocalStore, index_cache: SizedLRU | None = None,
+               stats: tuple[os.stat_result | None, os.stat_result | None] | None = None) -> ArrayReader:
+    """:func:`open_array` of the array in the local directory ``path`` (``uri`` as given), its ``zarr.json``
+    and ``.zarray`` with ``stats`` where its caller took them (see :func:`read_metadata`)."""
     store.forget(path)  # the array may have been rewritten since its files were last opened
-    meta = read_metadata(path, store, uri=os.fspath(uri))
-    return ArrayReader(meta, "", FileStore(path, store), index_cache)
+    return ArrayReader(read_metadata(path, store, uri=uri, stats=stats), "", FileStore(path, store), index_cache)
