@@ -344,9 +344,10 @@ class ArrayReader:
         self._index_cache = index_cache
         self._token = next(_reader_tokens)
         # what other modules derive from the array's documents, once per reader (its metadata never changes), by
-        # name: reader/coords.py's CF coding (asked several times a batch by the planner), and a pipeline's
-        # identities of the metadata files it was opened from (Coordinator.forget_rewritten)
-        self.derived: dict[str, Any] = {}
+        # key: reader/coords.py's attributes, CF coding (asked several times a batch by the planner) and
+        # coordinates, a pipeline's identities of the metadata files it was opened from
+        # (Coordinator.forget_rewritten) and its batch dtypes; the one memo per reader, gone with it
+        self.derived: dict[Any, Any] = {}
         # shard indexes being read, or queued to be read ahead (start_shard_entries): key -> its flight, for a
         # planner's read to wait for (started) or take over (queued)
         self._index_flights: dict[str, _Flight] = {}
