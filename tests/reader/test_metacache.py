@@ -360,3 +360,27 @@ def test_a_store_document_of_the_same_bytes_is_parsed_once_and_names_each_array(
         np.testing.assert_array_equal(again[:], data["first"])
     finally:
         stores.close()
+
+
+@pytest.mark.parametrize("zarr_format", [3, 2])
+def test_a_pipeline_opening_a_new_local_array_stats_each_metadata_file_once(tmp_path, monkeypatch, zarr_format):
+    """A pipeline's open of a local array it has not opened yet (one a batch of many small arrays makes several,
+    under the GIL) takes one ``stat`` of each of its metadata files: the one of zarr.json that tells a rewrite
+    between epochs (Coordinator.forget_rewritten) is the one its parse is kept by, not taken twice."""
+    uris = []
+    for i in range(2):
+        uris.append(str(tmp_path / f"a{i}.zarr"))
+        z = zarr.create_array(uris[-1], shape=(8, 8), chunks=(4, 4), dtype="u1", zarr_format=zarr_format)
+        z[:] = i + 1
+    cfg = stoker.Config(batch_size=1, dtype="f32", device="cpu", sample_shape=(4, 4), pop_timeout_s=20)
+    stats, real_stat = [], os.stat
+    with stoker.Pipeline(cfg) as p:
+        p.push([stoker.Sample(uris[0], ((0, 4), (0, 4)))])
+        p.pop().release()
+        monkeypatch.setattr(os, "stat", lambda path, *a, **k: (stats.append(path), real_stat(path, *a, **k))[1])
+        p.push([stoker.Sample(uris[1], ((0, 4), (0, 4)))])
+        batch = p.pop()
+        assert np.array_equal(torch.from_dlpack(batch).numpy(), np.full((1, 4, 4), 2, np.float32))
+        batch.release()
+    documents = [os.path.relpath(s, uris[1]) for s in map(os.fspath, stats) if str(s).startswith(uris[1] + os.sep)]
+    assert sorted(documents) == [".zarray", ".zattrs", "zarr.json"]

@@ -52,6 +52,25 @@ def test_dimension_names_and_coordinates_match_xarray(dataset):
         np.testing.assert_array_equal(got[name], ref[name].values)
     assert got["time"].dtype == ref["time"].dtype  # datetime64[ns]
     assert coords.coordinates(arr) is got  # read once per reader
+    assert coords.coordinate(arr, "lat") is got["lat"] and coords.attributes(arr) is coords.attributes(arr)
+
+
+def test_what_is_read_per_reader_goes_with_it_and_another_reader_reads_its_own(dataset):
+    """A rewrite between two opens is seen by the second reader: nothing is kept for the array, only per reader
+    (and it is gone with its reader: a pipeline's forgotten arrays hold nothing alive)."""
+    import gc
+    import weakref
+
+    arr = stoker.open_array(os.path.join(dataset, "t2m"))
+    first = coords.coordinates(arr)
+    gone = weakref.ref(arr)
+    lat = zarr.open_array(os.path.join(dataset, "lat"), mode="r+")
+    lat[:] = np.asarray(lat[:]) + 1.0
+    again = stoker.open_array(os.path.join(dataset, "t2m"))
+    np.testing.assert_array_equal(coords.coordinates(again)["lat"], first["lat"] + 1.0)
+    del arr
+    gc.collect()
+    assert gone() is None
 
 
 def test_codings_match_xarray_values(dataset):

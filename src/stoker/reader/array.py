@@ -144,17 +144,20 @@ def _both_layouts(uri: str, flat: str, nested: str) -> MetadataError:
         f"nested ones (directory {nested!r}); add \"dimension_separator\" to .zarray to say which", uri=uri)
 
 
-def read_metadata(path: str, store: LocalStore, uri: str | None = None) -> ArrayMetadata:
+def read_metadata(path: str, store: LocalStore, uri: str | None = None,
+                  stats: tuple[os.stat_result | None, os.stat_result | None] | None = None) -> ArrayMetadata:
     """Parse the metadata of the array at local ``path`` (v3 ``zarr.json`` first, then v2 ``.zarray``).
 
     A document unchanged since an earlier open is not read again (:mod:`stoker.reader.metacache`: its
     file's identity says so), and one holding the same bytes as another array's is not parsed again; a v2
     array's chunk key separator, when ``.zarray`` does not name it, is detected anew on every open (chunks
-    written since may tell)."""
+    written since may tell). ``stats``: those of ``zarr.json`` and ``.zarray``
+    (:func:`~stoker.reader.metacache.stat_document`'s) its caller took just before, so that they are not
+    taken twice (a pipeline keeps them to tell a rewrite: the parse it keeps is the one of those files)."""
     uri = uri or path
     folder = _folder(path)
     doc_path = folder + "zarr.json"
-    before = metacache.stat_document(doc_path)
+    before = metacache.stat_document(doc_path) if stats is None else stats[0]
     kept = metacache.lookup(doc_path, uri, before)
     if kept is not None:
         return kept
@@ -172,7 +175,7 @@ def read_metadata(path: str, store: LocalStore, uri: str | None = None) -> Array
         metacache.keep(doc_path, uri, before, got[1], meta, len(got[0]))
         return meta
     doc_path = folder + ".zarray"
-    before = metacache.stat_document(doc_path)
+    before = metacache.stat_document(doc_path) if stats is None else stats[1]
     kept = metacache.lookup(doc_path, uri, before)
     if kept is not None:
         meta, doc = kept
@@ -270,7 +273,9 @@ def read_store_metadata(hierarchy: Hierarchy, prefix: str, uri: str) -> ArrayMet
             metacache.share_parse("zarr.json", raw, None, meta)
             return meta
         zarray = parse_json(raw, uri, ".zarray")
-        return parse_v2(zarray, uri, separator=_store_separator(hierarchy, prefix, zarray, uri))
+        meta = parse_v2(zarray, uri, separator=_store_separator(hierarchy, prefix, zarray, uri))
+        hierarchy.below_v2(prefix, uri)  # its siblings found in a consolidated ancestor above its group
+        return meta
     if hierarchy.exists(join(".zgroup")):
         raise _v2_group(uri)
     raise _no_array(uri)
@@ -339,9 +344,10 @@ class ArrayReader:
         self._index_cache = index_cache
         self._token = next(_reader_tokens)
         # what other modules derive from the array's documents, once per reader (its metadata never changes), by
-        # name: reader/coords.py's CF coding (asked several times a batch by the planner), and a pipeline's
-        # identities of the metadata files it was opened from (Coordinator.forget_rewritten)
-        self.derived: dict[str, Any] = {}
+        # key: reader/coords.py's attributes, CF coding (asked several times a batch by the planner) and
+        # coordinates, a pipeline's identities of the metadata files it was opened from
+        # (Coordinator.forget_rewritten) and its batch dtypes; the one memo per reader, gone with it
+        self.derived: dict[Any, Any] = {}
         # shard indexes being read, or queued to be read ahead (start_shard_entries): key -> its flight, for a
         # planner's read to wait for (started) or take over (queued)
         self._index_flights: dict[str, _Flight] = {}
@@ -1097,7 +1103,12 @@ def open_array(uri: str | os.PathLike, storage_options: dict[str, Any] | None = 
     if storage_options:
         raise InvalidArgument(f"{uri}: storage_options apply to remote URIs only (s3://, gs://, az://, "
                               "http(s)://); drop them for a local path", uri=os.fspath(uri))
-    path = loc.path
+    return open_local(loc.path, os.fspath(uri), store, index_cache)
+
+
+def open_local(path: str, uri: str, store: LocalStore, index_cache: SizedLRU | None = None,
+               stats: tuple[os.stat_result | None, os.stat_result | None] | None = None) -> ArrayReader:
+    """:func:`open_array` of the array in the local directory ``path`` (``uri`` as given), its ``zarr.json``
+    and ``.zarray`` with ``stats`` where its caller took them (see :func:`read_metadata`)."""
     store.forget(path)  # the array may have been rewritten since its files were last opened
-    meta = read_metadata(path, store, uri=os.fspath(uri))
-    return ArrayReader(meta, "", FileStore(path, store), index_cache)
+    return ArrayReader(read_metadata(path, store, uri=uri, stats=stats), "", FileStore(path, store), index_cache)

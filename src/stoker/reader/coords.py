@@ -18,8 +18,6 @@ array(['2000-01-01T00:00:00.000000000', '2000-01-01T06:00:00.000000000'], dtype=
 from __future__ import annotations
 
 import os
-import threading
-import weakref
 from typing import Any
 
 import numpy as np
@@ -31,12 +29,11 @@ from ..zarr.fields import show
 from ..zarr.metadata import parse_json
 from .array import MAX_METADATA_BYTES, ArrayReader, open_array
 
-_lock = threading.Lock()
-# per reader: its documents' attributes and v2 stored fill value, its coordinates (by storage options)
-_documents: "weakref.WeakKeyDictionary[ArrayReader, tuple[dict, Any, tuple | None]]" = weakref.WeakKeyDictionary()
-# per reader: the coordinates read, by dimension name (coordinate), and all of them (coordinates)
-_coords: "weakref.WeakKeyDictionary[ArrayReader, dict[str, np.ndarray | None]]" = weakref.WeakKeyDictionary()
-_all_coords: "weakref.WeakKeyDictionary[ArrayReader, dict[str, np.ndarray | None]]" = weakref.WeakKeyDictionary()
+# What is read once per reader is kept on it (ArrayReader.derived, the one memo a reader has: gone with it), by
+# key: "documents" (attributes, v2 stored fill value, dimension names), "cf" (coding), ("coordinate", name) (a
+# dimension's labels, None where it has none) and "coordinates" (all of them). Two threads working one out at
+# once both read it and keep the same (equal) answer: a dict's item set is atomic, no lock needed.
+_MISSING = object()
 
 
 def _read(reader: ArrayReader, name: str) -> dict | None:
@@ -71,8 +68,7 @@ def _documents_of(reader: ArrayReader, stores: Stores | None = None,
     """``(attributes, v2 stored fill value, dimension names)`` of ``reader``'s array, read once: from the
     consolidated metadata of ``stores`` (those it was opened in, with its ``options``) where its group has
     it, else its own documents."""
-    with _lock:
-        got = _documents.get(reader)
+    got = reader.derived.get("documents")
     if got is not None:
         return got
     uri = reader.uri
@@ -97,9 +93,7 @@ def _documents_of(reader: ArrayReader, stores: Stores | None = None,
             raise MetadataError(f"{uri}: dimension names {show(dims)} are not {reader.ndim} names (strings or "
                                 "null), one per axis", uri=uri)
         names = tuple(dims)
-    got = (attrs, fill, names)
-    with _lock:
-        _documents[reader] = got
+    got = reader.derived["documents"] = (attrs, fill, names)
     return got
 
 
@@ -164,10 +158,9 @@ def coordinate(reader: ArrayReader, name: str, storage_options: dict | None = No
     """The decoded labels of ``reader``'s dimension ``name`` (None: no coordinate array beside it, or one
     that is not 1-d and as long as the axis), read once per reader and name. A coordinate array stoker
     cannot read (strings: UnsupportedFormat) raises here, for the one who asked for it."""
-    with _lock:
-        kept = _coords.get(reader)
-        if kept is not None and name in kept:
-            return kept[name]
+    kept = reader.derived.get(("coordinate", name), _MISSING)
+    if kept is not _MISSING:
+        return kept
     names = dimension_names(reader, stores, storage_options) or ()
     if name not in names:
         return None
@@ -182,8 +175,7 @@ def coordinate(reader: ArrayReader, name: str, storage_options: dict | None = No
     got = None
     if coord is not None and coord.ndim == 1 and coord.shape[0] == reader.shape[axis]:
         got = decoded(coord, coord.read([(0, coord.shape[0])]), stores, storage_options)
-    with _lock:
-        _coords.setdefault(reader, {})[name] = got
+    reader.derived[("coordinate", name)] = got
     return got
 
 
@@ -193,8 +185,7 @@ def coordinates(reader: ArrayReader, storage_options: dict | None = None,
     cannot read, such as strings), read once per reader. A coordinate is the 1-d array named like the
     dimension in the array's parent group, as long as the axis (the xarray layout); see :func:`coordinate`
     for one dimension's, which says why it cannot be read."""
-    with _lock:
-        kept = _all_coords.get(reader)
+    kept = reader.derived.get("coordinates")
     if kept is not None:
         return kept
     out: dict[str, np.ndarray | None] = {}
@@ -205,6 +196,5 @@ def coordinates(reader: ArrayReader, storage_options: dict | None = None,
             out[name] = coordinate(reader, name, storage_options, stores)
         except UnsupportedFormat:  # labels stoker reads no values of (strings): no labels to select by
             out[name] = None
-    with _lock:
-        _all_coords[reader] = out
+    reader.derived["coordinates"] = out
     return out

@@ -50,7 +50,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Sequence
+from typing import Any, Callable, Collection, Iterable, Sequence
 
 from ..errors import NotFound, ShutdownError
 from ..runtime.memo import remember
@@ -370,23 +370,7 @@ class CachingStore:
     def _learn_page(self, listing: "_Listing", pairs: list | None, more: bool) -> None:
         """Under the lock: what a page of ``listing`` states, learnt (nothing if another listing replaced it)."""
         if pairs is not None and self._listings.get(listing.prefix) is listing:
-            # what _set_known does a key, for the page's 1,000 keys in one loop (a listing per array opened)
-            started, known_map, new, changes = listing.started, self._known, [], 0
-            learnt = (_UNCACHED, started)
-            get = known_map.get
-            for key, version in pairs:
-                known = get(key)
-                if known is None:
-                    new.append(key)
-                elif known[1] > started:  # a newer read's answer stays
-                    continue
-                elif version is None:
-                    changes += known[0] is not _UNCACHED
-                elif known[0] is not version and known[0] != version:
-                    changes += 1
-                known_map[key] = learnt if version is None else (version, started)
-            self._known_keys.add_many(new)
-            self.changes += changes
+            self._set_known_many(pairs, listing.started, newer_stays=True)
             listing.listed += len(pairs)
             if pairs:
                 listing.upto = pairs[-1][0]
@@ -541,9 +525,9 @@ class CachingStore:
                 if isinstance(version, NotFound) or (version is None and not failed):
                     # missing, or no generation stated: read through (one request a read, as without a
                     # cache), not asked again until stale
-                    self._set_known(key, known, _UNCACHED, now)
+                    self._set_known(key, _UNCACHED, now)
                 elif version is not None and not isinstance(version, BaseException):
-                    self._set_known(key, known, version, now)
+                    self._set_known(key, version, now)
                 # an error of this key's: learnt nothing; its reads go through, and say what is wrong
         flight.set_result(None)
 
@@ -610,7 +594,7 @@ class CachingStore:
                 if listing is None:
                     head.append(key)
                 elif listing.covers(key):  # listed nowhere: missing (or written since): read through
-                    self._set_known(key, self._known.get(key), _UNCACHED, listing.started)
+                    self._set_known(key, _UNCACHED, listing.started)
                 elif wait_pages and listing.future is not None and not listing.future.done():  # its page to come
                     pages.add(listing.future)  # (a finished page is never there: see _next_page)
                     pending.append(key)
@@ -704,17 +688,35 @@ class CachingStore:
             with self._lock:
                 known = self._known.get(key)
                 if not self._forgot_since(key, when) and (known is None or known[1] <= when):
-                    self._set_known(key, known, generation, when)
+                    self._set_known(key, generation, when)
         return generation
 
-    def _set_known(self, key: str, known: tuple | None, generation: Any, when: float) -> None:
-        """Under the lock: ``key``'s generation is ``generation`` as of ``when`` (``known``: what was known
-        before); another generation than the one known counts a change (see :attr:`changes`)."""
-        if known is None:
-            self._known_keys.add(key)
-        elif known[0] is not generation and known[0] != generation:
-            self.changes += 1
-        self._known[key] = (generation, when)
+    def _set_known(self, key: str, generation: Any, when: float) -> None:
+        """Under the lock: ``key``'s generation is ``generation`` as of ``when``; see :meth:`_set_known_many`."""
+        self._set_known_many(((key, generation),), when)
+
+    def _set_known_many(self, pairs: Iterable[tuple[str, Any]], when: float, newer_stays: bool = False) -> None:
+        """Under the lock: of each ``(key, generation)`` of ``pairs``, ``key``'s generation is ``generation``
+        as of ``when`` (None: read through, :data:`_UNCACHED`); another generation than the one known counts a
+        change (see :attr:`changes`). ``newer_stays``: a key whose answer known is newer than ``when`` keeps it
+        (a listing page's: a read asked after the listing may have seen a rewrite it predates). One loop for
+        a listing page's 1,000 keys (a listing per array opened), the new keys filed in one
+        :meth:`KeyTree.add_many`."""
+        known_map, new, changes = self._known, [], 0
+        get = known_map.get
+        for key, generation in pairs:
+            was = get(key)
+            if generation is None:
+                generation = _UNCACHED
+            if was is None:
+                new.append(key)
+            elif newer_stays and was[1] > when:
+                continue
+            elif was[0] is not generation and was[0] != generation:
+                changes += 1
+            known_map[key] = (generation, when)
+        self._known_keys.add_many(new)
+        self.changes += changes
 
     def known_until(self, keys: Sequence[str]) -> list[float]:
         """For each of ``keys``, until when (``time.monotonic()``) the generation known now stays within the

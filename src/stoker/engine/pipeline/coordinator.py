@@ -26,7 +26,7 @@ import torch
 
 from ...runtime import gil
 from ...runtime.workers import DaemonPool, start_thread, when_all_done
-from ...reader.array import DEFAULT_INDEX_CACHE_BYTES, ArrayReader, index_size, open_array
+from ...reader.array import DEFAULT_INDEX_CACHE_BYTES, ArrayReader, index_size, open_array, open_local
 from ...reader.coords import coding
 from ...reader.metacache import stat_document
 from ...storage.cache import SizedLRU
@@ -169,8 +169,14 @@ class Coordinator:
 
     def _load(self, uri: str) -> ArrayReader:
         options = options_for(self.cfg.storage_options, uri)
-        metas = metadata_identity(uri)  # before the read: a rewrite during the open is told at the next look
-        reader = open_array(uri, options, store=self.store, index_cache=self._index_cache, stores=self.stores)
+        local = metadata_stats(uri)  # before the read: a rewrite during the open is told at the next look
+        if local is None:
+            reader = open_array(uri, options, store=self.store, index_cache=self._index_cache, stores=self.stores)
+            metas = None
+        else:  # read by the stats just taken: each metadata file stat'ed once an open
+            path, stats = local
+            reader = open_local(path, uri, self.store, self._index_cache, stats[:2])
+            metas = _identities(stats)
         if self.cfg.cf:  # its attributes read with its metadata (consolidated, or on _open_all's threads)
             coding(reader, self.stores, options)
         if metas is not None:  # kept with the reader: evicted with it (see forget_rewritten)
@@ -668,20 +674,27 @@ class Coordinator:
 _METADATA_FILES = ("zarr.json", ".zarray", ".zattrs")
 
 
-def metadata_identity(uri: str) -> tuple | None:
-    """The identities of a local array's metadata files (None for a file not there), or None for an array not
-    in a local directory (an object store, a zip archive)."""
+def metadata_stats(uri: str) -> tuple[str, tuple] | None:
+    """``(path, stats)`` of a local array: its directory and the stats of its metadata files (None for a file
+    not there), or None for an array not in a local directory (an object store, a zip archive)."""
     loc = locate(uri)
     if not loc.is_local or loc.path is None:
         return None
     # the folder joined once, by concatenation: os.path.join per file cost as much as its stat (an open of an
     # array new to the pipeline, under the GIL: a batch of many small arrays makes several)
     folder = loc.path if loc.path.endswith(os.sep) else loc.path + os.sep
-    out = []
-    for name in _METADATA_FILES:
-        st = stat_document(folder + name)
-        out.append(None if st is None else identity(st))
-    return tuple(out)
+    return loc.path, tuple(stat_document(folder + name) for name in _METADATA_FILES)
+
+
+def _identities(stats: tuple) -> tuple:
+    return tuple(None if st is None else identity(st) for st in stats)
+
+
+def metadata_identity(uri: str) -> tuple | None:
+    """The identities of a local array's metadata files (None for a file not there), or None for an array not
+    in a local directory (an object store, a zip archive)."""
+    local = metadata_stats(uri)
+    return None if local is None else _identities(local[1])
 
 
 def revalidate_when_open(flights: list[tuple[str, concurrent.futures.Future]], pulled: list[list[Sample]],
