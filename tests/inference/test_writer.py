@@ -278,6 +278,29 @@ def test_every_blend_rounds_a_float_prediction_into_an_integer_output(tmp_path, 
 
 
 @pytest.mark.parametrize("blend", ["none", "hann"])
+@pytest.mark.parametrize("dtype,bad", [("f4", 2**40 + 7), ("f2", 2049), ("f8", 2**60 + 12345), ("f4", -(2**24) - 1)])
+def test_integer_predictions_a_float_output_would_round_are_refused(tmp_path, blend, dtype, bad):
+    """Label ids (int64 predictions) into a float32 array were written rounded without a word: 2**40 + 7 and
+    2**40 + 14 became one id, as the pipeline refuses a lossy cast of them. A DtypeMismatch now, the batch not
+    taken; integers the float holds exactly (up to 2**24 in float32) are written as they are."""
+    src = str(tmp_path / "in.zarr")
+    zarr.create_array(src, shape=(4, 6), chunks=(4, 6), dtype="f4")
+    out = str(tmp_path / "o.zarr")
+    w = stoker.TileWriter(out, (4, 6), (2, 3), dtype, blend=blend, write_threads=0)
+    sample = stoker.Sample(src, [(0, 4), (0, 6)])
+    pred = np.zeros((1, 4, 6), np.int64)
+    pred[0, 1, 2] = bad
+    with pytest.raises(stoker.DtypeMismatch, match=f"{np.dtype(dtype)}.*integer dtype"):
+        w.write([sample], pred)
+    exact = 2 ** (np.finfo(dtype).nmant + 1)
+    good = np.zeros((1, 4, 6), np.int64)
+    good[0, 0, 0], good[0, 3, 5] = exact, -exact
+    w.write([sample], good)
+    w.close()
+    np.testing.assert_array_equal(zarr.open_array(out, mode="r")[:], good[0].astype(dtype))
+
+
+@pytest.mark.parametrize("blend", ["none", "hann"])
 @pytest.mark.parametrize("dtype,bad", [("u1", 300.0), ("u1", -1.0), ("i4", float("nan")), ("i2", 1e6),
                                        ("i8", float("inf")), ("i8", 2.0**63), ("u1", 255.5), ("u1", 256)])
 def test_a_prediction_an_integer_output_cannot_hold_is_refused(tmp_path, blend, dtype, bad):

@@ -952,8 +952,21 @@ def _place(dst: np.ndarray, src: np.ndarray) -> None:
 def _check_fits(p: np.ndarray, dtype: np.dtype, uri: str) -> None:
     """DtypeMismatch when predictions ``p`` hold a value an integer output of ``dtype`` cannot take once
     rounded (NaN, infinity, or outside its range): cast as astype, it would be written wrapped (300.0 into
-    uint8 is 44). A blend's weighted mean of values that fit fits too, so the predictions are what is checked."""
-    if not np.issubdtype(dtype, np.integer) or p.size == 0 or p.dtype.kind not in "fiub":
+    uint8 is 44). A blend's weighted mean of values that fit fits too, so the predictions are what is checked.
+    Integer predictions into a float output are refused where they pass the integers it holds exactly (2**24 in
+    float32): label ids would be written rounded, two ids merged, as the pipeline refuses such a cast."""
+    if p.size == 0 or p.dtype.kind not in "fiub":
+        return
+    if np.issubdtype(dtype, np.floating) and p.dtype.kind in "iu":
+        exact = 2 ** (np.finfo(dtype).nmant + 1)  # every integer up to it is a float of dtype
+        lo, hi = int(p.min()), int(p.max())
+        if lo < -exact or hi > exact:
+            raise DtypeMismatch(f"TileWriter.write: integer predictions from {lo} to {hi} do not fit {uri}'s dtype "
+                                f"{np.dtype(dtype)} exactly (it holds integers only up to 2**"
+                                f"{np.finfo(dtype).nmant + 1}): label ids would merge; write an integer dtype "
+                                "('int64', 'uint64', ...) or map the ids into range", uri=uri)
+        return
+    if not np.issubdtype(dtype, np.integer):
         return
     lo, hi = p.min(), p.max()  # NaN propagates
     rounded = p.dtype.kind == "f"
