@@ -34,7 +34,7 @@ from .cursor import CursorState, EpochCursor
 from .field import Field, MaskedVolume, check_fields, open_volume
 from ..checks import integer, integers
 from ..dist.collectives import resolve_rank
-from ..errors import IncompleteSource, InvalidArgument, NotYetSupported
+from ..errors import IncompleteSource, InvalidArgument, NotYetSupported, RankMismatch
 from .permutation import ORDER_VERSION, Permutation
 from .sample import Sample, box_of, check_pad, given_uri
 
@@ -282,10 +282,13 @@ class RandomCrops(SampleSource):
         self.seed = int(seed)
         self.shapes = _entry_shapes(self.arrays, storage_options)
         for uri, shape in zip(self.arrays, self.shapes):
-            if len(shape) != len(self.sample_shape) or (
-                    self.pad is None and any(c > s for c, s in zip(self.sample_shape, shape))):
-                hint = "" if len(shape) != len(self.sample_shape) else " (pad= lets them reach past it)"
-                raise InvalidArgument(f"{uri}: shape {shape} cannot hold crops of {self.sample_shape}{hint}", uri=uri)
+            if len(shape) != len(self.sample_shape):
+                raise RankMismatch(f"{uri}: sample_shape {self.sample_shape} has {len(self.sample_shape)} axes but "
+                                   f"the array (shape {shape}) has {len(shape)} axes: give one extent per axis (a "
+                                   "list of arrays as channels adds the channel axis itself)", uri=uri)
+            if self.pad is None and any(c > s for c, s in zip(self.sample_shape, shape)):
+                raise InvalidArgument(f"{uri}: shape {shape} cannot hold crops of {self.sample_shape} (pad= lets "
+                                      "them reach past it)", uri=uri)
         self.region = None if region is None else dict(region)
         # per array and axis the first box start and how many there are (a region may restrict them; a padded
         # crop longer than its axis covers it, the axis anywhere inside it: first start below 0)
