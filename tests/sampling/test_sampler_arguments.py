@@ -124,3 +124,14 @@ def test_a_sample_shape_of_another_rank_says_so(uri, shape):
     with pytest.raises(stoker.RankMismatch, match=f"{len(shape)} axes .* 2 axes") as err:
         stoker.RandomCrops([uri], shape)
     assert err.value.uri == uri
+
+
+def test_a_tile_grid_no_array_can_hold_names_the_shapes_and_pad(uri):
+    """TileGrid([uri], (32, 8)) over a (20, 20) array said "no array can hold a (32, 8) tile", naming neither
+    the array, its shape nor the way out; a tile of another rank said "rank 2 differs from sample rank 3"."""
+    with pytest.raises(stoker.InvalidArgument, match=r"a\.zarr.*\(20, 20\).*pad="):
+        stoker.TileGrid([uri], (32, 8))
+    assert len(stoker.TileGrid([uri], (32, 8), pad="zero")) > 0
+    with pytest.raises(stoker.RankMismatch, match="3 axes .* 2 axes") as err:
+        stoker.TileGrid([uri], (1, 8, 8))
+    assert err.value.uri == uri
