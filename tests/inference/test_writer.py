@@ -161,6 +161,18 @@ def test_arguments_are_checked(volume, tmp_path):
         stoker.TileWriter(str(tmp_path / "b.zarr"), SHAPE, (4, 8, 8), "f4", blend="hann")
 
 
+def test_a_group_at_the_uri_is_an_invalid_argument(volume, tmp_path):
+    """TileWriter over an OME-Zarr image's root (a group: the user meant a label array inside it) raised
+    zarr-python's NodeTypeValidationError, none of stoker's errors; an InvalidArgument naming the URI now, and
+    the group is left as it was."""
+    root = str(tmp_path / "img.ome.zarr")
+    zarr.open_group(root, mode="w").attrs["keep"] = 1
+    with pytest.raises(stoker.InvalidArgument, match="img.ome.zarr is a Zarr group") as err:
+        stoker.TileWriter(root, SHAPE, (4, 8, 8), "u8")
+    assert err.value.uri == root
+    assert dict(zarr.open_group(root, mode="r").attrs) == {"keep": 1}
+
+
 def test_a_restart_with_another_grid_is_refused(volume, tmp_path):
     # The regions a writer marked hold its grid's tiles blended: a restart over another stride (or tile, or pad)
     # would keep them beside regions of the new grid, a mix no single run makes. Refused as other settings.

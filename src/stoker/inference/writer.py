@@ -533,7 +533,7 @@ class TileWriter:
         store = array_store(self.uri, storage_options)  # a path, or zarr's ObjectStore over obstore
         if self.rank == 0:
             try:
-                arr = zarr.open_array(store, mode="r+")
+                arr = _open_output(store, self.uri)
             except (FileNotFoundError, KeyError, zarr.errors.NodeNotFoundError):  # type: ignore[attr-defined]
                 fmt: Any = zarr_format  # zarr's stubs want Literal[2, 3]; zarr checks the value
                 # a record left beside a removed array vouches for none of the new one's regions
@@ -544,7 +544,7 @@ class TileWriter:
                                             zarr_format=fmt, fill_value=fill_value)
         barrier(group)  # the array exists before the other ranks open it
         if self.rank != 0:
-            arr = zarr.open_array(store, mode="r+")
+            arr = _open_output(store, self.uri)
         if tuple(arr.shape) != self.shape or arr.dtype != np.dtype(dtype):
             raise InvalidArgument(f"{self.uri}: the array there has shape {arr.shape} and dtype {arr.dtype}, not "
                                   f"{self.shape} and {np.dtype(dtype)}; write to another URI or remove it",
@@ -903,6 +903,18 @@ class TileWriter:
                 pass
             finally:
                 self._marks.stop()
+
+
+def _open_output(store: Any, uri: str) -> Any:
+    """The array at ``store`` opened for writing; InvalidArgument where a group is there (an OME-Zarr image's
+    root given for one of its arrays), which zarr-python refuses with an error of its own."""
+    import zarr  # as in TileWriter.__init__: not at import time
+
+    try:
+        return zarr.open_array(store, mode="r+")
+    except zarr.errors.NodeTypeValidationError:  # type: ignore[attr-defined]
+        raise InvalidArgument(f"{uri} is a Zarr group, not an array: give the URI of an array to write (one "
+                              "inside it, such as its labels' level, or a new path)", uri=uri) from None
 
 
 def _crops(crop: Any, ndim: int) -> tuple[int, ...]:
