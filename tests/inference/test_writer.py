@@ -173,6 +173,19 @@ def test_a_group_at_the_uri_is_an_invalid_argument(volume, tmp_path):
     assert dict(zarr.open_group(root, mode="r").attrs) == {"keep": 1}
 
 
+def test_a_shape_the_grid_refuses_makes_no_array(volume, tmp_path):
+    """TileWriter(shape=(13, 29), grid=<a 3-d grid>) was refused only after it had made the array, so the call
+    with the shape corrected was refused again ("the array there has shape (13, 29)... remove it"); it is
+    refused before anything is made now."""
+    uri, _ = volume
+    out = tmp_path / "o.zarr"
+    grid = stoker.TileGrid([uri], TILE)
+    with pytest.raises(stoker.InvalidArgument, match="neither the 3-d volume"):
+        stoker.TileWriter(str(out), SHAPE[:2], (4, 8), "f4", grid=grid)
+    assert not out.exists()
+    stoker.TileWriter(str(out), SHAPE, (4, 8, 8), "f4", grid=grid).close()
+
+
 def test_a_restart_with_another_grid_is_refused(volume, tmp_path):
     # The regions a writer marked hold its grid's tiles blended: a restart over another stride (or tile, or pad)
     # would keep them beside regions of the new grid, a mix no single run makes. Refused as other settings.

@@ -527,7 +527,8 @@ class TileWriter:
         self._ndim = len(grid.sample_shape) if grid is not None else None
         self._crop_arg = crop
         self._tiles: set[Box] | None = None  # with grid=: the boxes of its tiles
-        if grid is not None:  # refused before anything is made (the record would keep the crop)
+        if grid is not None:  # refused before anything is made (the record keeps the crop, the store the shape)
+            _check_rank(self.uri, self.shape, len(grid.sample_shape))
             self._tiles = {box_of(grid.sample(0, i)) for i in range(len(grid))}
             _refuse_holes(grid, self._tiles, _crops(crop, len(grid.sample_shape)), self.shape)
         store = array_store(self.uri, storage_options)  # a path, or zarr's ObjectStore over obstore
@@ -602,9 +603,7 @@ class TileWriter:
 
     def _setup(self, ndim: int) -> None:
         self._ndim = ndim
-        if len(self.shape) not in (ndim, ndim + 1):
-            raise InvalidArgument(f"{self.uri}: shape {self.shape} is neither the {ndim}-d volume of the tiles nor "
-                                  "it with a channel axis first", uri=self.uri)
+        _check_rank(self.uri, self.shape, ndim)
         self.spatial = self.shape[-ndim:]
         self.channels = self.shape[:-ndim]
         self.unit = self.unit_full[-ndim:]
@@ -903,6 +902,13 @@ class TileWriter:
                 pass
             finally:
                 self._marks.stop()
+
+
+def _check_rank(uri: str, shape: tuple[int, ...], ndim: int) -> None:
+    """InvalidArgument unless ``shape`` is the ``ndim``-d volume of the tiles, or it with a channel axis first."""
+    if len(shape) not in (ndim, ndim + 1):
+        raise InvalidArgument(f"{uri}: shape {shape} is neither the {ndim}-d volume of the tiles nor it with a "
+                              "channel axis first", uri=uri)
 
 
 def _open_output(store: Any, uri: str) -> Any:
