@@ -670,10 +670,13 @@ class Coordinator:
         if executor.dtype is not None:
             dtypes.add(executor.dtype)
         if len(dtypes) > 1:
+            coded = [r.uri for r in readers if self.cfg.cf and coding(r) is not None]
+            advice = "'i64' (or 'i32') for integer ids, which keeps them exact, 'f32' for floats and 8- or 16-bit " \
+                "integers" if not coded else f"dtype='f32' (or 'bf16', 'f16'): {coded[0]} has CF attributes, " \
+                "whose decoded values are floats"  # an integer output refuses those in turn
             raise DtypeMismatch(
                 f"dtype='native' needs one source dtype per pipeline, found {sorted(map(str, dtypes))} "
-                f"(arrays {[r.uri for r in readers]}); to mix sources pick an output all of them fit: 'i64' (or "
-                "'i32') for integer ids, which keeps them exact, 'f32' for floats and 8- or 16-bit integers"
+                f"(arrays {[r.uri for r in readers]}); to mix sources pick an output all of them fit: {advice}"
             )
         return dtypes.pop()
 
