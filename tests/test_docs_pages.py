@@ -58,3 +58,19 @@ def test_every_code_fence_of_the_pages_opens_and_closes_on_its_own_line():
         opened = [line for _, line in fences[::2]]
         closed = [line for _, line in fences[1::2]]
         assert len(fences) % 2 == 0 and all(c == "```" for c in closed), (page.name, opened, closed)
+
+
+def test_the_inference_page_says_a_stride_past_the_tile_leaves_gaps(tmp_path):
+    """docs/inference.md said tiles start every stride "so every voxel is in some tile", for any stride; a
+    stride larger than the tile leaves voxels no tile covers (on purpose, as TileGrid's docstring says), which
+    the writer then leaves at the fill value. The page says so now."""
+    import zarr
+
+    import stoker
+
+    uri = str(tmp_path / "line.zarr")
+    zarr.create_array(uri, shape=(20,), chunks=(8,), dtype="u1")
+    covered = {v for s in stoker.TileGrid([uri], (4,), stride=(6,)) for v in range(*s.aabb[0])}
+    assert len(covered) < 20
+    text = " ".join((DOCS / "inference.md").read_text().split())
+    assert "a larger stride leaves gaps" in text

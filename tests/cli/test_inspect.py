@@ -201,3 +201,14 @@ def test_inspect_of_an_arrays_metadata_file_names_its_folder(tmp_path, capsys):
         assert f"{path} is the array's metadata file: name its folder, {path.parent}" in err, err
         with pytest.raises(stoker.NotFound, match="name its folder"):
             stoker.open_array(path)
+
+
+def test_a_sample_shape_of_another_rank_says_so(tmp_path, capsys):
+    """`stoker inspect v.zarr --sample-shape 4 12` of a 3-d array said "(4, 12) does not fit in shape (120,
+    12, 20)", which reads as a crop too large; it names the numbers of axes now. A crop too large keeps its
+    message."""
+    zarr.create_array(str(tmp_path / "v.zarr"), shape=(120, 12, 20), chunks=(8, 12, 20), dtype="int16")
+    assert main(["inspect", str(tmp_path / "v.zarr"), "--sample-shape", "4", "12"]) == 2
+    assert "--sample-shape (4, 12) has 2 axes but the array (shape (120, 12, 20)) has 3" in capsys.readouterr().err
+    assert main(["inspect", str(tmp_path / "v.zarr"), "--sample-shape", "4", "13", "20"]) == 2
+    assert "does not fit in shape (120, 12, 20)" in capsys.readouterr().err

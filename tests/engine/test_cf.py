@@ -74,6 +74,18 @@ def test_native_integer_output_is_refused(dataset):
         _assert_same(x[i], _want(ref, "t2m", s.aabb))
 
 
+def test_native_over_packed_channels_of_mixed_dtypes_advises_a_float_output(dataset):
+    """dtype='native' over channels of int16-packed p, float32 t2m and float64 q listed the stored dtypes and
+    advised "'i64' (or 'i32') for integer ids" first, which CF-packed arrays refuse in turn (their values are
+    floats); the advice is a float dtype now."""
+    uris = [os.path.join(dataset, v) for v in VARS]
+    with stoker.Pipeline(_cfg(dtype="native")) as pipe:
+        pipe.push([stoker.Sample(uris, box) for box in _boxes(4)])
+        with pytest.raises(stoker.DtypeMismatch, match="one source dtype") as info:
+            pipe.pop()
+    assert "'i64'" not in str(info.value) and "dtype='f32'" in str(info.value) and "CF" in str(info.value)
+
+
 def test_decoded_before_the_transform(dataset, decode_path):
     check_decoded_before_the_transform(_cfg(dtype="f16", transform=FillNaN(0.0)), dataset)
 

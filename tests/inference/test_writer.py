@@ -161,6 +161,31 @@ def test_arguments_are_checked(volume, tmp_path):
         stoker.TileWriter(str(tmp_path / "b.zarr"), SHAPE, (4, 8, 8), "f4", blend="hann")
 
 
+def test_a_group_at_the_uri_is_an_invalid_argument(volume, tmp_path):
+    """TileWriter over an OME-Zarr image's root (a group: the user meant a label array inside it) raised
+    zarr-python's NodeTypeValidationError, none of stoker's errors; an InvalidArgument naming the URI now, and
+    the group is left as it was."""
+    root = str(tmp_path / "img.ome.zarr")
+    zarr.open_group(root, mode="w").attrs["keep"] = 1
+    with pytest.raises(stoker.InvalidArgument, match="img.ome.zarr is a Zarr group") as err:
+        stoker.TileWriter(root, SHAPE, (4, 8, 8), "u8")
+    assert err.value.uri == root
+    assert dict(zarr.open_group(root, mode="r").attrs) == {"keep": 1}
+
+
+def test_a_shape_the_grid_refuses_makes_no_array(volume, tmp_path):
+    """TileWriter(shape=(13, 29), grid=<a 3-d grid>) was refused only after it had made the array, so the call
+    with the shape corrected was refused again ("the array there has shape (13, 29)... remove it"); it is
+    refused before anything is made now."""
+    uri, _ = volume
+    out = tmp_path / "o.zarr"
+    grid = stoker.TileGrid([uri], TILE)
+    with pytest.raises(stoker.InvalidArgument, match="neither the 3-d volume"):
+        stoker.TileWriter(str(out), SHAPE[:2], (4, 8), "f4", grid=grid)
+    assert not out.exists()
+    stoker.TileWriter(str(out), SHAPE, (4, 8, 8), "f4", grid=grid).close()
+
+
 def test_a_restart_with_another_grid_is_refused(volume, tmp_path):
     # The regions a writer marked hold its grid's tiles blended: a restart over another stride (or tile, or pad)
     # would keep them beside regions of the new grid, a mix no single run makes. Refused as other settings.
@@ -275,6 +300,29 @@ def test_every_blend_rounds_a_float_prediction_into_an_integer_output(tmp_path, 
     want = np.rint(pred).astype(dtype)
     for blend, array in got.items():
         np.testing.assert_array_equal(array, want, err_msg=blend)
+
+
+@pytest.mark.parametrize("blend", ["none", "hann"])
+@pytest.mark.parametrize("dtype,bad", [("f4", 2**40 + 7), ("f2", 2049), ("f8", 2**60 + 12345), ("f4", -(2**24) - 1)])
+def test_integer_predictions_a_float_output_would_round_are_refused(tmp_path, blend, dtype, bad):
+    """Label ids (int64 predictions) into a float32 array were written rounded without a word: 2**40 + 7 and
+    2**40 + 14 became one id, as the pipeline refuses a lossy cast of them. A DtypeMismatch now, the batch not
+    taken; integers the float holds exactly (up to 2**24 in float32) are written as they are."""
+    src = str(tmp_path / "in.zarr")
+    zarr.create_array(src, shape=(4, 6), chunks=(4, 6), dtype="f4")
+    out = str(tmp_path / "o.zarr")
+    w = stoker.TileWriter(out, (4, 6), (2, 3), dtype, blend=blend, write_threads=0)
+    sample = stoker.Sample(src, [(0, 4), (0, 6)])
+    pred = np.zeros((1, 4, 6), np.int64)
+    pred[0, 1, 2] = bad
+    with pytest.raises(stoker.DtypeMismatch, match=f"{np.dtype(dtype)}.*integer dtype"):
+        w.write([sample], pred)
+    exact = 2 ** (np.finfo(dtype).nmant + 1)
+    good = np.zeros((1, 4, 6), np.int64)
+    good[0, 0, 0], good[0, 3, 5] = exact, -exact
+    w.write([sample], good)
+    w.close()
+    np.testing.assert_array_equal(zarr.open_array(out, mode="r")[:], good[0].astype(dtype))
 
 
 @pytest.mark.parametrize("blend", ["none", "hann"])

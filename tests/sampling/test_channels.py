@@ -215,3 +215,25 @@ def test_random_crops_of_groups_resume_exactly_on_another_world_size(cube, decod
                 batches += 1
         assert batches == 4  # 24 samples left, 8 a rank, 2 a batch
     assert sorted(map(repr, seen)) == sorted(repr(src.sample(0, i)) for i in range(36))
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_channels_whose_dimensions_come_in_another_order_are_refused(tmp_path, zarr_format):
+    """Two variables xarray wrote as (time, y, x) and (time, x, y) on a square grid have one shape, so their
+    channels were stacked by axis position: the second transposed against the first, without a word (xarray
+    aligns them by name). An InvalidArgument naming both orders now, for plain samples and fields alike;
+    arrays that name the same dimensions in the same order, or none, are read as before."""
+    xr = pytest.importorskip("xarray")
+    a = np.arange(4 * 8 * 8, dtype="f4").reshape(4, 8, 8)
+    xr.Dataset({"a": (("time", "y", "x"), a), "b": (("time", "x", "y"), a.transpose(0, 2, 1).copy()),
+                "c": (("time", "y", "x"), a + 1)}).to_zarr(str(tmp_path / "d.zarr"), zarr_format=zarr_format)
+    uri = {v: str(tmp_path / "d.zarr" / v) for v in "abc"}
+    box = [(0, 2), (0, 8), (0, 8)]
+    with pytest.raises(stoker.InvalidArgument, match=r"\('time', 'x', 'y'\).*\('time', 'y', 'x'\)") as err:
+        _batches([stoker.Sample([uri["a"], uri["b"]], box)])
+    assert err.value.uri == uri["b"]
+    fields = {"x": stoker.Field([uri["a"], uri["b"]], (2, 8, 8))}
+    with pytest.raises(stoker.InvalidArgument, match="field 'x'.*dimensions"):
+        _batches(stoker.RandomCrops(fields, seed=0, samples_per_epoch=1).for_rank(0, 1), batch_size=1)
+    (same,), _ = _batches([stoker.Sample([uri["a"], uri["c"]], box)])
+    np.testing.assert_array_equal(same[0].numpy(), np.stack([a[:2], a[:2] + 1]))

@@ -435,6 +435,19 @@ def test_mask_errors(volume, tmp_path):
         stoker.RandomCrops([volume["labels"]], (8, 8, 8), mask=stoker.Mask(volume["mask"]))
 
 
+def test_a_mask_larger_than_its_volume_at_its_scale_is_refused(volume):
+    """A full-resolution mask given scale=4 (the scale of the coarse mask the user meant) spans four times the
+    volume: its voxels were read at the wrong positions and every anchor drawn covered no foreground, with
+    min_fraction=0.5 asked, without a word. Refused now, naming the mask, the axis and the scale; a mask cut
+    short of the volume is still taken (what lies past it counts as zero)."""
+    with pytest.raises(stoker.InvalidArgument, match=r"labels\.zarr .*scale 4.*axis 0.*spans 384 .*96") as err:
+        stoker.RandomCrops(_fields(volume), seed=0, mask=stoker.Mask(volume["labels"], 0.5, field="labels", scale=4))
+    assert err.value.uri == volume["labels"]
+    short = stoker.RandomCrops(_fields(volume), seed=0, samples_per_epoch=8,
+                               mask=stoker.Mask(volume["mask"], 0.25, field="labels", scale=2))
+    assert len(short) == 8
+
+
 @pytest.fixture(scope="module")
 def masked(volume):
     return lambda seed=0, n=97: stoker.RandomCrops(

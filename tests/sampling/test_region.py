@@ -202,3 +202,17 @@ def test_a_lead_time_region_is_xarray_sel_on_timedeltas(tmp_path, fmt):
         assert starts(src, 0) == {int(i) for i in np.flatnonzero(np.isin(ref.step.values, picked))}, (first, last)
     with pytest.raises(InvalidArgument, match="time span"):  # plain numbers are no lead times
         stoker.RandomCrops([os.path.join(path, "v")], (1, 2), seed=0, samples_per_epoch=10, region={"step": (6, 24)})
+
+
+def test_labels_given_in_the_reverse_of_the_coordinates_order_say_so(era):
+    """region={"time": ("2000-05-31", "2000-03-01")} (the dates swapped) and a latitude range given south to
+    north on a descending coordinate selected nothing, as xarray's sel does, and the error said "the region
+    leaves no anchor ... widen the region"; an InvalidArgument now says the labels are reversed and
+    which order the coordinate takes. A range between two labels (none in it) keeps the old message."""
+    t2m = os.path.join(era, "t2m")
+    with pytest.raises(InvalidArgument, match=r"'time'.*'2000-05-31'.*after.*ascending.*\('2000-03-01', '2000-05-31'\)"):
+        stoker.RandomCrops([t2m], (1, 1, 1), region={"time": ("2000-05-31", "2000-03-01")})
+    with pytest.raises(InvalidArgument, match=r"'lat'.*descending.*\(60, -30\)"):
+        stoker.RandomCrops([t2m], (1, 1, 1), region={"lat": (-30, 60)})
+    with pytest.raises(InvalidArgument, match="widen the region"):
+        stoker.RandomCrops([t2m], (1, 1, 1), region={"lat": (50, 40)})  # between 60 and 30: no label

@@ -114,3 +114,24 @@ def test_field_bools_and_fractions_are_refused_as_the_samplers_refuse_them(uri, 
         stoker.Field(uri, **kw)
     f = stoker.Field(uri, (np.int64(4), 4.0), offset=(-2, np.int32(1)), scale=(2, 1))
     assert (f.shape, f.offset, f.scale) == ((4, 4), (-2, 1), (2, 1))
+
+
+@pytest.mark.parametrize("shape", [(4,), (1, 4, 4)])
+def test_a_sample_shape_of_another_rank_says_so(uri, shape):
+    """RandomCrops over a 2-d array given a 1-d or 3-d sample_shape said the array "cannot hold crops of
+    (1, 4, 4)", which reads as crops too large; a RankMismatch now names both numbers of axes (a channel axis
+    is not part of sample_shape)."""
+    with pytest.raises(stoker.RankMismatch, match=f"{len(shape)} axes .* 2 axes") as err:
+        stoker.RandomCrops([uri], shape)
+    assert err.value.uri == uri
+
+
+def test_a_tile_grid_no_array_can_hold_names_the_shapes_and_pad(uri):
+    """TileGrid([uri], (32, 8)) over a (20, 20) array said "no array can hold a (32, 8) tile", naming neither
+    the array, its shape nor the way out; a tile of another rank said "rank 2 differs from sample rank 3"."""
+    with pytest.raises(stoker.InvalidArgument, match=r"a\.zarr.*\(20, 20\).*pad="):
+        stoker.TileGrid([uri], (32, 8))
+    assert len(stoker.TileGrid([uri], (32, 8), pad="zero")) > 0
+    with pytest.raises(stoker.RankMismatch, match="3 axes .* 2 axes") as err:
+        stoker.TileGrid([uri], (1, 8, 8))
+    assert err.value.uri == uri

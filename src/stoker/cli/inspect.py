@@ -91,7 +91,10 @@ def facts(uri: str, sample_shape: tuple[int, ...] | None = None,
     }
     out.update(_named(arr, options))
     if sample_shape is not None:
-        if len(sample_shape) != arr.ndim or any(c > s for c, s in zip(sample_shape, arr.shape)):
+        if len(sample_shape) != arr.ndim:
+            raise InvalidArgument(f"--sample-shape {sample_shape} has {len(sample_shape)} axes but the array (shape "
+                                  f"{arr.shape}) has {arr.ndim}: give one extent per axis")
+        if any(c > s for c, s in zip(sample_shape, arr.shape)):
             raise InvalidArgument(f"--sample-shape {sample_shape} does not fit in shape {arr.shape}")
         blocksize, ratio = _blocksize_and_ratio(arr)
         est = estimate(arr.metadata, sample_shape, blocksize=blocksize, compression_ratio=ratio)

@@ -527,13 +527,14 @@ class TileWriter:
         self._ndim = len(grid.sample_shape) if grid is not None else None
         self._crop_arg = crop
         self._tiles: set[Box] | None = None  # with grid=: the boxes of its tiles
-        if grid is not None:  # refused before anything is made (the record would keep the crop)
+        if grid is not None:  # refused before anything is made (the record keeps the crop, the store the shape)
+            _check_rank(self.uri, self.shape, len(grid.sample_shape))
             self._tiles = {box_of(grid.sample(0, i)) for i in range(len(grid))}
             _refuse_holes(grid, self._tiles, _crops(crop, len(grid.sample_shape)), self.shape)
         store = array_store(self.uri, storage_options)  # a path, or zarr's ObjectStore over obstore
         if self.rank == 0:
             try:
-                arr = zarr.open_array(store, mode="r+")
+                arr = _open_output(store, self.uri)
             except (FileNotFoundError, KeyError, zarr.errors.NodeNotFoundError):  # type: ignore[attr-defined]
                 fmt: Any = zarr_format  # zarr's stubs want Literal[2, 3]; zarr checks the value
                 # a record left beside a removed array vouches for none of the new one's regions
@@ -544,7 +545,7 @@ class TileWriter:
                                             zarr_format=fmt, fill_value=fill_value)
         barrier(group)  # the array exists before the other ranks open it
         if self.rank != 0:
-            arr = zarr.open_array(store, mode="r+")
+            arr = _open_output(store, self.uri)
         if tuple(arr.shape) != self.shape or arr.dtype != np.dtype(dtype):
             raise InvalidArgument(f"{self.uri}: the array there has shape {arr.shape} and dtype {arr.dtype}, not "
                                   f"{self.shape} and {np.dtype(dtype)}; write to another URI or remove it",
@@ -602,9 +603,7 @@ class TileWriter:
 
     def _setup(self, ndim: int) -> None:
         self._ndim = ndim
-        if len(self.shape) not in (ndim, ndim + 1):
-            raise InvalidArgument(f"{self.uri}: shape {self.shape} is neither the {ndim}-d volume of the tiles nor "
-                                  "it with a channel axis first", uri=self.uri)
+        _check_rank(self.uri, self.shape, ndim)
         self.spatial = self.shape[-ndim:]
         self.channels = self.shape[:-ndim]
         self.unit = self.unit_full[-ndim:]
@@ -905,6 +904,25 @@ class TileWriter:
                 self._marks.stop()
 
 
+def _check_rank(uri: str, shape: tuple[int, ...], ndim: int) -> None:
+    """InvalidArgument unless ``shape`` is the ``ndim``-d volume of the tiles, or it with a channel axis first."""
+    if len(shape) not in (ndim, ndim + 1):
+        raise InvalidArgument(f"{uri}: shape {shape} is neither the {ndim}-d volume of the tiles nor it with a "
+                              "channel axis first", uri=uri)
+
+
+def _open_output(store: Any, uri: str) -> Any:
+    """The array at ``store`` opened for writing; InvalidArgument where a group is there (an OME-Zarr image's
+    root given for one of its arrays), which zarr-python refuses with an error of its own."""
+    import zarr  # as in TileWriter.__init__: not at import time
+
+    try:
+        return zarr.open_array(store, mode="r+")
+    except zarr.errors.NodeTypeValidationError:  # type: ignore[attr-defined]
+        raise InvalidArgument(f"{uri} is a Zarr group, not an array: give the URI of an array to write (one "
+                              "inside it, such as its labels' level, or a new path)", uri=uri) from None
+
+
 def _crops(crop: Any, ndim: int) -> tuple[int, ...]:
     """``TileWriter(crop=...)`` as a margin per spatial axis."""
     crops = (0,) * ndim if crop is None else (int(crop),) * ndim if isinstance(crop, (int, np.integer)) \
@@ -952,8 +970,21 @@ def _place(dst: np.ndarray, src: np.ndarray) -> None:
 def _check_fits(p: np.ndarray, dtype: np.dtype, uri: str) -> None:
     """DtypeMismatch when predictions ``p`` hold a value an integer output of ``dtype`` cannot take once
     rounded (NaN, infinity, or outside its range): cast as astype, it would be written wrapped (300.0 into
-    uint8 is 44). A blend's weighted mean of values that fit fits too, so the predictions are what is checked."""
-    if not np.issubdtype(dtype, np.integer) or p.size == 0 or p.dtype.kind not in "fiub":
+    uint8 is 44). A blend's weighted mean of values that fit fits too, so the predictions are what is checked.
+    Integer predictions into a float output are refused where they pass the integers it holds exactly (2**24 in
+    float32): label ids would be written rounded, two ids merged, as the pipeline refuses such a cast."""
+    if p.size == 0 or p.dtype.kind not in "fiub":
+        return
+    if np.issubdtype(dtype, np.floating) and p.dtype.kind in "iu":
+        exact = 2 ** (np.finfo(dtype).nmant + 1)  # every integer up to it is a float of dtype
+        lo, hi = int(p.min()), int(p.max())
+        if lo < -exact or hi > exact:
+            raise DtypeMismatch(f"TileWriter.write: integer predictions from {lo} to {hi} do not fit {uri}'s dtype "
+                                f"{np.dtype(dtype)} exactly (it holds integers only up to 2**"
+                                f"{np.finfo(dtype).nmant + 1}): label ids would merge; write an integer dtype "
+                                "('int64', 'uint64', ...) or map the ids into range", uri=uri)
+        return
+    if not np.issubdtype(dtype, np.integer):
         return
     lo, hi = p.min(), p.max()  # NaN propagates
     rounded = p.dtype.kind == "f"

@@ -18,12 +18,12 @@ array(['2000-01-01T00:00:00.000000000', '2000-01-01T06:00:00.000000000'], dtype=
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
 from ..errors import InvalidArgument, MetadataError, NotFound, UnsupportedFormat
-from ..storage.locate import Stores, locate
+from ..storage.locate import Stores, locate, options_for
 from ..zarr.cf import CFCoding, coding_of, decode_timedeltas, decode_times, is_time_units, timedelta_dtype
 from ..zarr.fields import show
 from ..zarr.metadata import parse_json
@@ -107,6 +107,27 @@ def dimension_names(reader: ArrayReader, stores: Stores | None = None,
                     options: dict | None = None) -> tuple[str | None, ...] | None:
     """The array's dimension names (v3 ``dimension_names``, v2 ``_ARRAY_DIMENSIONS``), or None."""
     return _documents_of(reader, stores, options)[2]
+
+
+def check_channel_dimensions(readers: Sequence[ArrayReader], stores: Stores | None = None,
+                             storage_options: Any = None) -> None:
+    """InvalidArgument where arrays read as the channels of one box name the same dimensions in another order
+    (xarray's ``(time, y, x)`` beside ``(time, x, y)`` on a square grid): stacked by axis position, one would
+    be transposed against the other, where xarray aligns them by name. Arrays without names, or naming other
+    dimensions, are not compared. ``stores`` and ``storage_options`` (by URI prefix, as Config's): those the
+    arrays were opened with."""
+    first: tuple | None = None
+    for r in readers:
+        names = dimension_names(r, stores, options_for(storage_options, r.uri))
+        if names is None or any(n is None for n in names):
+            continue
+        if first is None:
+            first, first_uri = tuple(names), r.uri
+        elif tuple(names) != first and sorted(names) == sorted(first):
+            raise InvalidArgument(f"{r.uri}: its dimensions {tuple(names)} are those of {first_uri} {first} in "
+                                  "another order, and channels are stacked by axis position: one would be "
+                                  "transposed against the other; store them in one order (xarray: "
+                                  "ds[var].transpose(*dims) before to_zarr)", uri=r.uri)
 
 
 def stored_fill(reader: ArrayReader, stores: Stores | None = None, options: dict | None = None) -> Any:

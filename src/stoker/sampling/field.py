@@ -24,7 +24,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 import numpy as np
 
 from ..checks import integers
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, RankMismatch
 from .sample import Sample
 
 
@@ -212,6 +212,25 @@ class MaskedVolume(NamedTuple):
     qualifying: np.ndarray | None
 
 
+def _check_mask_extent(mask: Any, mask_shape: tuple[int, ...], mask_scale: tuple[int, ...],
+                       shape: tuple[int, ...], scale: tuple[int, ...], who: str) -> None:
+    """InvalidArgument where the mask, at its scale, reaches past the masked field's arrays by a whole mask voxel
+    or more: its scale is not the mask's (a full-resolution mask given a coarse mask's scale), so its voxels
+    would be read at other positions than they mark, and anchors drawn by the wrong ones, without a word. A
+    mask cut short of the arrays is taken (what lies past it counts as zero)."""
+    if len(mask_shape) != len(shape):
+        raise RankMismatch(f"{who}: mask {mask.uri} has {len(mask_shape)} axes (shape {mask_shape}); field "
+                           f"{mask.field!r}'s arrays have {len(shape)}", uri=mask.uri)
+    for axis, (m, s, n, k) in enumerate(zip(mask_shape, mask_scale, shape, scale)):
+        extent = n * k  # the field's arrays, in reference voxels
+        if (m - 1) * s >= extent:
+            raise InvalidArgument(
+                f"{who}: mask {mask.uri} (shape {mask_shape}) at scale {s} on axis {axis} spans {m * s} reference "
+                f"voxels, past the {extent} of field {mask.field!r}'s arrays: its scale is not the mask's (a mask of "
+                f"this volume at scale {s} has {-(-extent // s)} voxels there); pass Mask(..., scale=) of the "
+                "mask's own resolution", uri=mask.uri, knob="scale")
+
+
 def open_volume(fields: Mapping[str, Field], mask: Any, storage_options: dict | None, stores: Any,
                 who: str, region: dict | None = None, pad: str | None = None) -> MaskedVolume:
     """Open ``fields``' arrays (shapes; scales from the OME metadata where not given) in ``stores``, and with
@@ -251,6 +270,7 @@ def open_volume(fields: Mapping[str, Field], mask: Any, storage_options: dict | 
         raise InvalidArgument(f"{who}: mask {mask.uri} has scale {mask_scale}, of {len(mask_scale)} axes; field "
                               f"{mask.field!r} has {ndim}", uri=mask.uri, knob="scale")
     check_alignment(mask, mask.field, fields[mask.field], scales[mask.field], mask_scale, who)
+    _check_mask_extent(mask, reader.shape, mask_scale, shapes[mask.field], scales[mask.field], who)
     volume = Volume(fields, shapes, scales, align=mask_scale, who=who, bounds=bounds, pad=pad)
     index, best = covering_anchors(volume, mask, mask_scale, reader)
     if not index.size:

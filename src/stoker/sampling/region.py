@@ -86,10 +86,22 @@ def label_range(coord: np.ndarray, first: Any, last: Any, uri: str, name: str) -
     what = f"{name!r}"
     if ascending:
         start, stop = _label_span(coord, first, last, what, uri)
+        if stop < start:  # labels of the coordinate lie between them, in the other order
+            _reversed(first, last, "ascending", what, uri)
         return start, max(start, stop)
     # descending: labels from first down to last, as xarray's slice on such an index
     j0, j1 = _label_span(coord[::-1], last, first, what, uri)
+    if j1 < j0:
+        _reversed(first, last, "descending", what, uri)
     return n - max(j0, j1), n - j0
+
+
+def _reversed(first: Any, last: Any, order: str, what: str, uri: str) -> None:
+    """InvalidArgument for region labels given in the reverse of their coordinate's order: they select nothing
+    (as xarray's ``sel`` would), which the sampler would report only as a region to widen."""
+    raise InvalidArgument(f"{uri}: region {what} labels ({first!r}, {last!r}): {first!r} comes after {last!r} in the "
+                          f"coordinate's {order} order, so they select nothing (as xarray's sel would); give them "
+                          f"as ({last!r}, {first!r})", uri=uri)
 
 
 def _label_span(ascending: np.ndarray, low_label: Any, high_label: Any, what: str, uri: str) -> tuple[int, int]:

@@ -34,7 +34,7 @@ from .cursor import CursorState, EpochCursor
 from .field import Field, MaskedVolume, check_fields, open_volume
 from ..checks import integer, integers
 from ..dist.collectives import resolve_rank
-from ..errors import IncompleteSource, InvalidArgument, NotYetSupported
+from ..errors import IncompleteSource, InvalidArgument, NotYetSupported, RankMismatch
 from .permutation import ORDER_VERSION, Permutation
 from .sample import Sample, box_of, check_pad, given_uri
 
@@ -282,10 +282,13 @@ class RandomCrops(SampleSource):
         self.seed = int(seed)
         self.shapes = _entry_shapes(self.arrays, storage_options)
         for uri, shape in zip(self.arrays, self.shapes):
-            if len(shape) != len(self.sample_shape) or (
-                    self.pad is None and any(c > s for c, s in zip(self.sample_shape, shape))):
-                hint = "" if len(shape) != len(self.sample_shape) else " (pad= lets them reach past it)"
-                raise InvalidArgument(f"{uri}: shape {shape} cannot hold crops of {self.sample_shape}{hint}", uri=uri)
+            if len(shape) != len(self.sample_shape):
+                raise RankMismatch(f"{uri}: sample_shape {self.sample_shape} has {len(self.sample_shape)} axes but "
+                                   f"the array (shape {shape}) has {len(shape)} axes: give one extent per axis (a "
+                                   "list of arrays as channels adds the channel axis itself)", uri=uri)
+            if self.pad is None and any(c > s for c, s in zip(self.sample_shape, shape)):
+                raise InvalidArgument(f"{uri}: shape {shape} cannot hold crops of {self.sample_shape} (pad= lets "
+                                      "them reach past it)", uri=uri)
         self.region = None if region is None else dict(region)
         # per array and axis the first box start and how many there are (a region may restrict them; a padded
         # crop longer than its axis covers it, the axis anywhere inside it: first start below 0)
@@ -579,7 +582,9 @@ class TileGrid(SampleSource):
         self._shifted = False  # some axis ends with a tile shifted back to the border
         for uri, shape in zip(self.arrays, self.shapes):
             if len(shape) != len(self.sample_shape):
-                raise InvalidArgument(f"{uri}: rank {len(shape)} differs from sample rank {len(self.sample_shape)}")
+                raise RankMismatch(f"{uri}: sample_shape {self.sample_shape} has {len(self.sample_shape)} axes but "
+                                   f"the array (shape {shape}) has {len(shape)} axes: give one extent per axis",
+                                   uri=uri)
             if self.pad is not None:  # the centres tile the axis: ceil(length / stride) of them
                 counts = tuple(-(-s // st) for s, st in zip(shape, self.stride))
             else:
@@ -590,7 +595,10 @@ class TileGrid(SampleSource):
                 self._shifted |= any((s - c) % st for s, c, st in zip(shape, self.sample_shape, self.stride))
             self._offsets.append(self._offsets[-1] + math.prod(counts))
         if self._offsets[-1] == 0:
-            raise InvalidArgument(f"no array can hold a {self.sample_shape} tile")
+            shapes = ", ".join(f"{uri} {shape}" for uri, shape in zip(self.arrays[:4], self.shapes))
+            raise InvalidArgument(f"TileGrid: no array can hold a {self.sample_shape} tile ({shapes}"
+                                  f"{', ...' if len(self.arrays) > 4 else ''}): use a smaller sample_shape, or pad= "
+                                  "to let tiles reach past the borders", knob="sample_shape")
         if self._offsets[-1] > MAX_SAMPLES:
             raise InvalidArgument(
                 f"TileGrid over {self.arrays}: {self._offsets[-1]} tiles of {self.sample_shape} at stride "

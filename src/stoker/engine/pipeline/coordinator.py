@@ -27,7 +27,7 @@ import torch
 from ...runtime import gil
 from ...runtime.workers import DaemonPool, start_thread, when_all_done
 from ...reader.array import DEFAULT_INDEX_CACHE_BYTES, ArrayReader, index_size, open_array, open_local
-from ...reader.coords import coding
+from ...reader.coords import check_channel_dimensions, coding
 from ...reader.metacache import stat_document
 from ...storage.cache import SizedLRU
 from ...config import Config
@@ -131,6 +131,7 @@ class Coordinator:
         self._batch_ids = itertools.count()
         self._index_cache = SizedLRU(DEFAULT_INDEX_CACHE_BYTES, index_size)
         self._readers: SizedLRU = SizedLRU(_MAX_OPEN_ARRAYS, lambda _: 1)
+        self._channels_checked: set[tuple[str, ...]] = set()  # groups of channels whose dimensions agree
         self._used_up = False  # the pushes so far were used up (Pipeline.drop_used_up): the next push checks them
         self._dtypes: dict = {}  # the batch dtype of each source dtype (numpy's), as batch_dtype settles it
         # batches planned, waiting for a slot, their remote chunks prefetched meanwhile (see .prefetch)
@@ -196,6 +197,8 @@ class Coordinator:
             if metas is not None and metadata_identity(uri) != metas:
                 self._readers.discard(uri)
                 n += 1
+        if n:  # a rewritten array may name its dimensions anew
+            self._channels_checked.clear()
         return n
 
     def _open_all(self, uris: list[str]) -> list[ArrayReader]:
@@ -512,6 +515,7 @@ class Coordinator:
             # host_buffer_bytes is refused before its plan (chunk lists of its whole volume) is built.
             uris = list({uri: None for s in samples for uri in s.uris})
             readers = self._open_all(uris)
+            self._check_channels(samples, dict(zip(uris, readers)))
             dtype = self._batch_dtype(readers)
             try:
                 self.executor.prepare(samples[0].shape, readers, dtype)
@@ -585,6 +589,7 @@ class Coordinator:
             for lane in lanes:
                 fs, rs = per_field[lane.name], readers[lane.name]
                 try:
+                    self._check_channels(fs, known)
                     dtype = self._batch_dtype(rs, lane.cfg.output_dtype, lane.executor, (lane.name,))
                     try:
                         lane.executor.prepare(lane.shape, rs, dtype)
@@ -622,6 +627,15 @@ class Coordinator:
             self.inflight.append(entry)
             self.cond.notify_all()
         del entry, held, part  # no frame keeps a view of a slot (see _launch)
+
+    def _check_channels(self, samples: list[Sample], known: dict[str, ArrayReader]) -> None:
+        """Each group of arrays read as channels names its dimensions in one order (see
+        :func:`~stoker.reader.coords.check_channel_dimensions`); a group is looked at once per pipeline."""
+        for s in samples:
+            group = tuple(s.uris)
+            if len(group) > 1 and group not in self._channels_checked:
+                check_channel_dimensions([known[u] for u in group], self.stores, self.cfg.storage_options)
+                self._channels_checked.add(group)
 
     def _check_cf(self, readers: list[ArrayReader], dtype: torch.dtype, executor: Executor | None = None) -> None:
         """Arrays with CF attributes (Config.cf): decoded by the executor (the pipeline's, or a field's lane's)
@@ -662,10 +676,13 @@ class Coordinator:
         if executor.dtype is not None:
             dtypes.add(executor.dtype)
         if len(dtypes) > 1:
+            coded = [r.uri for r in readers if self.cfg.cf and coding(r) is not None]
+            advice = "'i64' (or 'i32') for integer ids, which keeps them exact, 'f32' for floats and 8- or 16-bit " \
+                "integers" if not coded else f"dtype='f32' (or 'bf16', 'f16'): {coded[0]} has CF attributes, " \
+                "whose decoded values are floats"  # an integer output refuses those in turn
             raise DtypeMismatch(
                 f"dtype='native' needs one source dtype per pipeline, found {sorted(map(str, dtypes))} "
-                f"(arrays {[r.uri for r in readers]}); to mix sources pick an output all of them fit: 'i64' (or "
-                "'i32') for integer ids, which keeps them exact, 'f32' for floats and 8- or 16-bit integers"
+                f"(arrays {[r.uri for r in readers]}); to mix sources pick an output all of them fit: {advice}"
             )
         return dtypes.pop()
 
