@@ -80,10 +80,10 @@ class EntryTable:
         self.slots = slots
         self._lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
         self.keys: np.ndarray | None = None
-        self.hash: np.ndarray | None = None
+        self.hash: Any = None  # (an array once kept into, as every column: typed Any, as they are)
         # a slot's integers in one row (key, stamp, ticket, path and ident lengths): a look-up gathers a row a
         # chunk in one step, rather than a step per column (keys, stamp... are views of its columns)
-        self.rec: np.ndarray | None = None
+        self.rec: Any = None
         self.until = self.ticket = self.stamp = self.path_len = self.ident_len = self.entry = None  # type: Any
         # id(store) -> (the store, its stamp, its number): held, so that an id is not another store's meanwhile
         self._stamps: dict[int, tuple[Any, tuple, int]] = {}
