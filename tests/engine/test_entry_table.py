@@ -135,3 +135,22 @@ def test_the_table_is_bounded_in_slots(monkeypatch):
     # the newest array, kept last into sets the others' expired entries freed, is the one mostly found
     found = (_find(table, _keys(20, range(1000)), stamp, now=NOW + 19.5) >= 0).mean()
     assert found > 0.5, found
+
+
+def test_a_key_kept_again_is_found_with_its_new_entry_and_stamp_only():
+    """A slot's integers (key, stamp, ticket, lengths) are gathered in one step and checked after the lock: what
+    a look-up returns is the entry last kept for the key, with that entry's own lengths, under its own stamp
+    (a store whose counts moved on gives the slot a new number; the old one no longer finds it)."""
+    table, stamp, store = _stamped()
+    keys = _keys(5, range(3))
+    _keep(table, keys, stamp, ticket=2)
+    store.changes += 1  # an object rewritten: its entry is kept again under the store's new number
+    new = table.stamp_of(store)
+    table.keep(keys[1:2], np.full(1, new, np.int64), np.full(1, NOW + 60), np.zeros(1, np.int64),
+               [b"/cache/a/much/longer/path/of/the/new/entry"], [b"new ident"], NOW)
+    assert (_find(table, keys, stamp, settled=2) >= 0).tolist() == [True, False, True]
+    slots = _find(table, keys, new, settled=0)
+    assert (slots >= 0).tolist() == [False, True, False]  # the others: under the old number only (and unsettled)
+    blobs, plens, ilens = table.entries(slots[1:2])
+    assert blobs == [b"/cache/a/much/longer/path/of/the/new/entry" + b"new ident"]
+    assert (plens.tolist(), ilens.tolist()) == ([len(b"/cache/a/much/longer/path/of/the/new/entry")], [9])

@@ -47,6 +47,9 @@ SLOTS = 1 << 17
 WAYS = 8
 #: The key's columns: array number, file number, offset, length.
 KEY_COLUMNS = 4
+#: A slot's row of integers (``EntryTable.rec``): its key, then these columns.
+_STAMP, _TICKET, _PATH_LEN, _IDENT_LEN = range(KEY_COLUMNS, KEY_COLUMNS + 4)
+_REC_COLUMNS = KEY_COLUMNS + 4
 
 # odd constants combining a key's columns (one matrix product), then splitmix64's finalizer
 _COMBINE = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93], np.uint64)
@@ -77,7 +80,10 @@ class EntryTable:
         self.slots = slots
         self._lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
         self.keys: np.ndarray | None = None
-        self.hash: np.ndarray | None = None
+        self.hash: Any = None  # (an array once kept into, as every column: typed Any, as they are)
+        # a slot's integers in one row (key, stamp, ticket, path and ident lengths): a look-up gathers a row a
+        # chunk in one step, rather than a step per column (keys, stamp... are views of its columns)
+        self.rec: Any = None
         self.until = self.ticket = self.stamp = self.path_len = self.ident_len = self.entry = None  # type: Any
         # id(store) -> (the store, its stamp, its number): held, so that an id is not another store's meanwhile
         self._stamps: dict[int, tuple[Any, tuple, int]] = {}
@@ -114,13 +120,15 @@ class EntryTable:
         if self.keys is None or not n:
             return np.full(n, -1, np.int64)
         h = _hash(keys)
-        cand = (h & np.uint64(self.slots // WAYS - 1)).astype(np.int64)[:, None] * WAYS + np.arange(WAYS)
-        rows = np.arange(n)
+        sets = (h & np.uint64(self.slots // WAYS - 1)).astype(np.intp)
         with self._lock:
-            match = self.hash[cand] == h[:, None]  # a key's slot, if any: the one of its hash (then checked)
-            slot = cand[rows, match.argmax(axis=1)]
-            ok = (self.keys[slot] == keys).all(axis=1) & (keys[:, 0] != 0) & (self.stamp[slot] == stamps) & \
-                (self.until[slot] > now) & (self.ticket[slot] <= settled)
+            # a key's slot, if any: the one of its hash in its set (a row of WAYS hashes), then checked; its
+            # integers gathered in one step, so the checks below read copies, after the lock
+            slot = sets * WAYS + (self.hash.reshape(-1, WAYS)[sets] == h[:, None]).argmax(axis=1)
+            got = self.rec.take(slot, axis=0)
+            until = self.until.take(slot)
+        ok = (got[:, :KEY_COLUMNS] == keys).all(axis=1) & (keys[:, 0] != 0) & (got[:, _STAMP] == stamps) & \
+            (until > now) & (got[:, _TICKET] <= settled)
         return np.where(ok, slot, -1)
 
     def entries(self, slots: np.ndarray) -> tuple[list[bytes], np.ndarray, np.ndarray]:
@@ -128,7 +136,8 @@ class EntryTable:
         if not len(slots):
             return [], np.zeros(0, np.int64), np.zeros(0, np.int64)
         with self._lock:
-            return self.entry[slots].tolist(), self.path_len[slots], self.ident_len[slots]
+            got = self.rec.take(slots, axis=0)  # (take copies a strided view whole first: the whole rows)
+            return self.entry.take(slots).tolist(), got[:, _PATH_LEN], got[:, _IDENT_LEN]
 
     def keep(self, keys: np.ndarray, stamps: np.ndarray, untils: np.ndarray, tickets: np.ndarray,
              paths: Sequence[bytes], idents: Sequence[bytes], now: float) -> None:
@@ -153,13 +162,12 @@ class EntryTable:
         ways = np.arange(WAYS)
         with self._lock:
             if self.keys is None:
-                self.keys = np.zeros((self.slots, KEY_COLUMNS), np.int64)
+                self.rec = np.zeros((self.slots, _REC_COLUMNS), np.int64)
+                self.keys = self.rec[:, :KEY_COLUMNS]
+                self.stamp, self.ticket = self.rec[:, _STAMP], self.rec[:, _TICKET]
+                self.path_len, self.ident_len = self.rec[:, _PATH_LEN], self.rec[:, _IDENT_LEN]
                 self.hash = np.zeros(self.slots, np.uint64)
                 self.until = np.zeros(self.slots, np.float64)
-                self.ticket = np.zeros(self.slots, np.int64)
-                self.stamp = np.zeros(self.slots, np.int64)
-                self.path_len = np.zeros(self.slots, np.int64)
-                self.ident_len = np.zeros(self.slots, np.int64)
                 self.entry = np.empty(self.slots, object)
             live = self._live_numbers()
             todo = np.arange(n)
