@@ -95,9 +95,9 @@ static int table_buffer(PyObject *obj, Py_buffer *view, long long width, long lo
  * the GIL until it is done, and a caller that changed a writable one meanwhile had its chunk decoded from bytes
  * that changed under the decode (c-blosc reads a frame's sizes again after decode_blosc checked them: a size
  * grown between the two was read past the buffer's end). A read-only one (bytes, a read-only view) is read in
- * place, and so is every one where the caller says ``in_place`` (stoker: its fetched values, which nothing changes
- * before the job is done; a copy of a batch's 2,000 values of 16 KiB took 50 ms under the GIL). 0, or -1 with an exception set and
- * the view released (obj NULL). */
+ * place, and so is every one where the caller says ``in_place`` (stoker: its fetched values, which nothing
+ * changes before the job is done; a copy of a batch's 2,000 values of 16 KiB took 50 ms under the GIL). 0, or
+ * -1 with an exception set and the view released (obj NULL). */
 static int writable_copy(Py_buffer *view) {
     PyObject *copy = PyBytes_FromStringAndSize(view->buf, view->len);
     PyBuffer_Release(view);
@@ -111,8 +111,8 @@ static int writable_copy(Py_buffer *view) {
     return bad;
 }
 
-/* views of ``obj``'s items (a sequence of buffers or None; writable ones copied unless ``in_place``) into result->bufs, their addresses and lengths into
- * the tables; -1 with an exception set */
+/* views of ``obj``'s items (a sequence of buffers or None; writable ones copied unless ``in_place``) into
+ * result->bufs, their addresses and lengths into the tables; -1 with an exception set */
 static int hold_buffers(BatchJobObject *result, PyObject *obj, int in_place, plan_tables *t, const char ***bases,
                         long long **lens) {
     PyObject *seq = tuple_of(obj, "buffers (each a buffer, or None: a missing value)");
