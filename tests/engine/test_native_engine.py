@@ -212,6 +212,36 @@ def test_chunks_in_memory_take_scratch_for_their_decoded_bytes_only(tmp_path):
     assert engine.close(5)
 
 
+def test_a_writable_buffer_changed_during_its_job_is_not_read(tmp_path):
+    """The threads read a job's buffers without the GIL until it is done: a writable one (a bytearray, a
+    writable array) that its caller changes meanwhile was decoded as it was then (a blosc frame's sizes read
+    twice, once checked and once by c-blosc, read past its end where they changed between), so submit reads
+    it from a copy of its own; a read-only one (bytes, a read-only view) is read in place. Here the one thread
+    is busy with an earlier job while the buffers are overwritten: the batch is what they held at submit."""
+    engine = native.Engine(1, 1 << 20)
+    busy = Tables(tmp_path / "busy", 3000)
+    frame = numcodecs.Zstd(level=1).encode(_chunk(0).tobytes())
+    _in_memory(busy, range(3000), 3000)
+    first = engine.submit(*busy.args(), [frame] * 3000)  # the thread's work for a while, in order first
+    t = Tables(tmp_path / "changed", 3)
+    frames = [numcodecs.Zstd(level=1).encode(_chunk(i).tobytes()) for i in range(3)]
+    buffers = [bytearray(frames[0]), np.frombuffer(bytearray(frames[1]), np.uint8), memoryview(frames[2])]
+    _in_memory(t, range(3), 3)
+    job = engine.submit(*t.args(), buffers)
+    buffers[0][:] = bytes(len(frames[0]))
+    buffers[1][:] = 0
+    assert first.wait(30) and job.wait(30)
+    status, _, _ = _results(job)
+    assert status.tolist() == [native.ST_OK] * 3
+    for i in range(3):
+        np.testing.assert_array_equal(t.batch[i], t.expected(i))
+    # in_place (stoker's own fetched values): read where they are, the caller's promise
+    buffers = [bytearray(f) for f in frames]
+    job = engine.submit(*t.args(), buffers, None, None, True)
+    assert job.wait(30) and (_results(job)[0] == native.ST_OK).all()
+    assert engine.close(5)
+
+
 @pytest.mark.parametrize("where", [(-2, 0), (0, -1), (-1, 5), (1, 10**6), (2**62, 2**62), (4, 1)])
 def test_a_range_outside_its_buffer_is_refused_before_any_read(tmp_path, where):
     """offset and length of a chunk in a buffer: (-1, 0) for the whole buffer, or a range inside it; any other
@@ -265,7 +295,7 @@ def test_a_buffer_overlapping_the_batch_is_refused(tmp_path):
     """A buffer chunks are decoded from that is (part of) the batch they are placed into is refused before any
     thread reads it: other chunks' copies would write it while its frame is decoded (c-blosc reads a frame's
     sizes from the buffer again, so a header changed under it is read past the buffer's end). A buffer beside
-    the batch in one allocation is taken."""
+    the batch in one allocation is taken; a writable buffer inside it is read from its copy (as it was then)."""
     t = Tables(tmp_path, 2, codec=native.CODEC_BLOSC)
     _in_memory(t, [0, 1], 2)
     frames = [numcodecs.Blosc(cname="lz4").encode(_chunk(i).tobytes()) for i in range(2)]
@@ -276,7 +306,10 @@ def test_a_buffer_overlapping_the_batch_is_refused(tmp_path):
         inside = whole[at:at + len(frames[1])]
         inside[:] = np.frombuffer(frames[1], np.uint8)[:len(inside)]
         with pytest.raises(ValueError, match="overlaps the batch"):
-            engine.submit(*t.args(batch), [frames[0], inside])
+            engine.submit(*t.args(batch), [frames[0], memoryview(inside).toreadonly()])
+    job = engine.submit(*t.args(batch), [frames[0], inside])  # writable: copied at submit
+    assert job.wait(10) and (_results(job)[0] == native.ST_OK).all()
+    np.testing.assert_array_equal(batch[1], t.expected(1))
     beside = whole[t.batch.nbytes:t.batch.nbytes + len(frames[1])]
     beside[:] = np.frombuffer(frames[1], np.uint8)
     job = engine.submit(*t.args(batch), [frames[0], beside])
@@ -295,6 +328,7 @@ def test_buffers_live_as_long_as_the_job(tmp_path):
 
     t = Tables(tmp_path, 2)
     frame = np.frombuffer(numcodecs.Zstd(level=1).encode(_chunk(0).tobytes()), np.uint8).copy()
+    frame.flags.writeable = False  # read in place (a writable one: from a copy of its own)
     gone = weakref.ref(frame)
     _in_memory(t, range(2), 2)
     engine = native.Engine(1, 1 << 20)

@@ -509,3 +509,21 @@ def test_zero_dimensional_arrays_are_planned_as_tables(tmp_path, written, grid):
     assert not fills and [(fr.path, fr.chunk_ids) for fr in reads] == [(os.path.join(paths[0], "c"), (0,)),
                                                                      (os.path.join(paths[1], "c"), (1,))]
     assert plan_tables(0, [], opener).n_chunks == 0  # (no sample: nothing planned)
+
+
+@pytest.mark.skipif(native.copy_rows is None, reason="the compiled engine is not built")
+def test_copy_rows_refuses_strides_that_overlap_the_copies():
+    """copy_rows places each copy by the batch's strides; strides under what the copies span (row 1 where row 0's
+    elements are, or a crop's rows over each other) put copies onto each other's elements, inside the batch,
+    where the engine's check of the batch's bounds cannot see it: refused. The batch's own strides are taken."""
+    out = np.zeros((2, 4, 4), np.float32)  # two crops of 4 x 4, copied whole by one copy each
+    src, row = np.zeros(2, np.int64), np.array([0, 1], np.int64)
+    box, extent = np.zeros((2, 2), np.int64), np.full((2, 2), 4, np.int64)
+    row_stride, *strides = (s // out.itemsize for s in out.strides)
+    made = np.frombuffer(native.copy_rows(src, row, box, extent, row_stride, array("q", strides)), np.int64)
+    assert made.reshape(2, -1)[:, native.CP_DST_OFFSET].tolist() == [0, 16]
+    for bad_row_stride, bad_strides in ((8, strides), (15, strides), (row_stride, [2, 1]), (row_stride, [4, 0])):
+        with pytest.raises(ValueError, match="overlap"):
+            native.copy_rows(src, row, box, extent, bad_row_stride, array("q", bad_strides))
+    # one row: its stride places nothing (numpy and torch may give a length-1 axis any stride)
+    assert native.copy_rows(src[:1], row[:1], box[:1], extent[:1], 0, array("q", strides))

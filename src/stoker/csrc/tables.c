@@ -46,10 +46,68 @@ int plan_chunk_rows(long long n_rows, const int64_t *const cols[N_PLAN_COLS], lo
     return 0;
 }
 
+/* Whether the strides can place the copies onto each other's elements: -1 (with *error) when a copy's row or
+ * start is negative or its extent empty, or when the batch's layout, as far as the copies reach (axis a's
+ * length: the largest box_start + extent; the rows: the largest row + 1), is not one where distinct elements
+ * have distinct places: each axis of length > 1, taken by increasing stride, must step past all that the
+ * axes before it span (as every dense or padded layout, in any axis order, does). Else 0. A row_stride under a
+ * crop's span put row 1's copies onto row 0's elements, inside the batch, where the engine's bounds cannot see
+ * it (the engine checks each copy against the batch, not against the others). */
+static int copies_overlap(int ndim, long long n_copies, const int64_t *row, const int64_t *box_start,
+                          const int64_t *extent, int64_t row_stride, const int64_t *dst_strides,
+                          const char **error) {
+    int64_t len[MAX_NDIM + 1], stride[MAX_NDIM + 1], rows = 1;
+    for (int a = 0; a < ndim; a++)
+        len[a] = 1, stride[a] = dst_strides[a];
+    for (long long k = 0; k < n_copies; k++) {
+        if (row[k] < 0) {
+            *error = "a copy's row is negative";
+            return -1;
+        }
+        if (row[k] >= rows)
+            rows = row[k] == INT64_MAX ? INT64_MAX : row[k] + 1;
+        for (int a = 0; a < ndim; a++) {
+            int64_t b = box_start[k * ndim + a], e = extent[k * ndim + a], end;
+            if (b < 0 || e < 1 || __builtin_add_overflow(b, e, &end)) {
+                *error = "a copy's start in its crop is negative, or its extent not positive";
+                return -1;
+            }
+            if (end > len[a])
+                len[a] = end;
+        }
+    }
+    len[ndim] = rows, stride[ndim] = row_stride;
+    /* the axes of length > 1 by increasing stride (at most 33: insertion), each past the span of those before */
+    int order[MAX_NDIM + 1], n = 0;
+    for (int a = 0; a <= ndim; a++) {
+        if (len[a] < 2)
+            continue; /* one place on it: its stride places nothing */
+        int at = n++;
+        while (at > 0 && stride[order[at - 1]] > stride[a]) {
+            order[at] = order[at - 1];
+            at--;
+        }
+        order[at] = a;
+    }
+    int64_t span = 0; /* the largest place the axes so far reach */
+    for (int i = 0; i < n; i++) {
+        int64_t s = stride[order[i]], reach;
+        if (s <= span || __builtin_mul_overflow(len[order[i]] - 1, s, &reach) ||
+            __builtin_add_overflow(span, reach, &span)) {
+            *error = "the batch's strides place the copies so that they overlap (a row_stride or a stride under "
+                     "what the axes within it span, or past int64)";
+            return -1;
+        }
+    }
+    return 0;
+}
+
 int plan_copy_rows(int ndim, long long n_copies, const int64_t *src_offset, const int64_t *row,
                    const int64_t *box_start, const int64_t *extent, int64_t row_stride, const int64_t *dst_strides,
                    int64_t *out, const char **error) {
     long long width = COPY_COLS((long long)ndim);
+    if (copies_overlap(ndim, n_copies, row, box_start, extent, row_stride, dst_strides, error))
+        return -1;
     for (long long k = 0; k < n_copies; k++) {
         int64_t *o = out + k * width, dst;
         if (__builtin_mul_overflow(row[k], row_stride, &dst))

@@ -130,6 +130,7 @@ def _fill_word(fill_value: np.ndarray, dtype: torch.dtype) -> int:
     return word
 
 
+
 class _Source:
     """What the engine's tables say of one array, made once per array and batch dtype."""
 
@@ -1072,8 +1073,9 @@ class NativeDecoder:
                         self._frame_buffers.give(pooled)
                         return
             buffers = values + parts
+            # in place: nothing changes them before the job is done (a writable one is else copied: Engine.submit)
             bjob = gil.released(self.engine.submit, *self._tables(job.plan, job.out, kind, sources, ids, fetched=True),
-                                buffers)
+                                buffers, None, None, True)
         except BaseException as exc:  # noqa: BLE001 - closed meanwhile, or the engine refused the tables (a bug)
             res.done()
             self._frame_buffers.give(pooled)  # no engine job holds them
