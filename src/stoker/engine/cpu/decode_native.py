@@ -130,7 +130,6 @@ def _fill_word(fill_value: np.ndarray, dtype: torch.dtype) -> int:
     return word
 
 
-
 class _Source:
     """What the engine's tables say of one array, made once per array and batch dtype."""
 
