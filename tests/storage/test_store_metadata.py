@@ -106,83 +106,26 @@ def test_a_failed_load_is_seen_by_all_waiters_and_not_kept(consolidated):
     assert found is not None and found[0] == fmt and gated.arrived == 2
 
 
-class _Recording(MemoryStore):
-    """Every key asked (read or looked up), found or not, in order."""
+def test_a_nested_v2_array_reads_its_own_zarray_whatever_was_opened_before(tmp_path):
+    """An array in a v2 group without .zmetadata, below a consolidated root, is read from its own .zarray,
+    as zarr-python's open_array reads it: after a rewrite the root's consolidated metadata no longer tells,
+    the array opened after a sibling is the array opened first (a walk past the group to the root's
+    .zmetadata once gave the stale (5, 3) float32 here, after the sibling's open)."""
+    from stoker.reader.array import read_store_metadata
 
-    def __init__(self, values) -> None:
-        super().__init__(values)
-        self.asked: list[str] = []
-
-    def get(self, key: str):
-        self.asked.append(key)
-        return super().get(key)
-
-    def exists(self, key: str) -> bool:
-        self.asked.append(key)
-        return super().exists(key)
-
-
-def _nested_v2(root: str, consolidate: bool) -> dict[str, bytes]:
-    """``{key: bytes}`` under ``x/`` of a v2 group ``r.zarr`` written by zarr-python, whose group ``a`` holds
-    arrays ``b`` and ``c``; ``consolidate``: .zmetadata at ``r.zarr`` only (``a`` has none of its own)."""
+    root = str(tmp_path / "r.zarr")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         group = zarr.open_group(root, mode="w", zarr_format=2)
         group.create_group("a").create_array("b", shape=(6,), chunks=(4,), dtype="int16")
         group["a"].create_array("c", shape=(5, 3), chunks=(2, 3), dtype="float32")
-        if consolidate:
-            zarr.consolidate_metadata(root)
-    return {f"x/r.zarr/{k}": v for k, v in read_tree(root).items()}
-
-
-def test_a_v2_array_below_an_unconsolidated_group_is_found_in_the_root_consolidated(tmp_path):
-    from stoker.reader.array import read_store_metadata
-
-    values = _nested_v2(str(tmp_path / "r.zarr"), consolidate=True)
-    assert "x/r.zarr/.zmetadata" in values and "x/r.zarr/a/.zmetadata" not in values
-    store = _Recording(values)
-    hierarchy = Hierarchy(store)
-    asked = {}
-    for name, shape in (("b", (6,)), ("c", (5, 3))):
-        store.asked.clear()
-        meta = read_store_metadata(hierarchy, f"x/r.zarr/a/{name}", f"memory://x/r.zarr/a/{name}")
-        assert meta.shape == zarr.open_array(str(tmp_path / "r.zarr" / "a" / name), mode="r").shape == shape
-        asked[name] = list(store.asked)
-    # the first v2 array of a/ is read from its own .zarray, and its group found a v2 one (.zgroup) whose
-    # ancestor r.zarr is consolidated; its sibling is found there: no request
-    assert "x/r.zarr/a/b/.zarray" in asked["b"] and asked["b"].count("x/r.zarr/.zmetadata") == 1
-    assert asked["c"] == []
-    assert not any(k.startswith(("x/zarr.json", "x/.z")) for k in asked["b"])  # found below x: not asked
-
-
-def test_an_unconsolidated_v2_walk_stops_at_the_first_folder_that_is_no_group(tmp_path):
-    from stoker.reader.array import read_store_metadata
-
-    store = _Recording(_nested_v2(str(tmp_path / "r.zarr"), consolidate=False))
-    hierarchy = Hierarchy(store)
-    assert read_store_metadata(hierarchy, "x/r.zarr/a/b", "memory://x/r.zarr/a/b").shape == (6,)
-    walked = {k.rpartition("/")[0] for k in store.asked if not k.startswith("x/r.zarr/a/b/")}
-    assert walked == {"x/r.zarr/a", "x/r.zarr", "x"}  # x is no group: the store's root is never asked
-    store.asked.clear()
-    assert read_store_metadata(hierarchy, "x/r.zarr/a/c", "memory://x/r.zarr/a/c").shape == (5, 3)
-    assert store.asked == ["x/r.zarr/a/c/zarr.json", "x/r.zarr/a/c/.zarray"]  # the walk is kept per store
-
-
-def test_a_v3_walk_never_asks_for_a_v2_group(tmp_path):
-    from stoker.reader.array import read_store_metadata
-
-    root = str(tmp_path / "r.zarr")
-    zarr.open_group(root, mode="w").create_group("a").create_array("b", shape=(6,), chunks=(4,), dtype="int16")
-    store = _Recording({f"x/r.zarr/{k}": v for k, v in read_tree(root).items()})
-    for hierarchy in (Hierarchy(store), Hierarchy(store, one_open=True)):
-        assert read_store_metadata(hierarchy, "x/r.zarr/a/b", "memory://x/r.zarr/a/b").shape == (6,)
-    assert store.asked and not [k for k in store.asked if k.endswith(".zgroup")]
-
-
-def test_a_hierarchy_of_one_open_asks_nothing_for_later_opens(tmp_path):
-    from stoker.reader.array import read_store_metadata
-
-    store = _Recording(_nested_v2(str(tmp_path / "r.zarr"), consolidate=True))
-    assert read_store_metadata(Hierarchy(store, one_open=True), "x/r.zarr/a/b", "memory://x/r.zarr/a/b").shape == (6,)
-    assert store.asked == ["x/r.zarr/a/zarr.json", "x/r.zarr/a/.zmetadata", "x/r.zarr/a/b/zarr.json",
-                           "x/r.zarr/a/b/.zarray"]  # as before the walk past v2 groups: nothing asked ahead
+        zarr.consolidate_metadata(root)
+        zarr.create_array(root + "/a/c", shape=(50, 30), chunks=(20, 30), dtype="float64", zarr_format=2,
+                          overwrite=True)
+        want = zarr.open_array(root + "/a/c", mode="r")
+    values = {f"x/r.zarr/{k}": v for k, v in read_tree(root).items()}
+    for order in (["c"], ["b", "c"]):
+        hierarchy = Hierarchy(MemoryStore(values))
+        for name in order:
+            meta = read_store_metadata(hierarchy, f"x/r.zarr/a/{name}", f"memory://x/r.zarr/a/{name}")
+        assert (tuple(meta.shape), str(meta.dtype)) == (want.shape, str(want.dtype)), order

@@ -273,9 +273,7 @@ def read_store_metadata(hierarchy: Hierarchy, prefix: str, uri: str) -> ArrayMet
             metacache.share_parse("zarr.json", raw, None, meta)
             return meta
         zarray = parse_json(raw, uri, ".zarray")
-        meta = parse_v2(zarray, uri, separator=_store_separator(hierarchy, prefix, zarray, uri))
-        hierarchy.below_v2(prefix, uri)  # its siblings found in a consolidated ancestor above its group
-        return meta
+        return parse_v2(zarray, uri, separator=_store_separator(hierarchy, prefix, zarray, uri))
     if hierarchy.exists(join(".zgroup")):
         raise _v2_group(uri)
     raise _no_array(uri)

@@ -8,12 +8,6 @@ is kept per store, so opening many arrays of one hierarchy costs a constant numb
 first array pays for the walk (two requests per level at most), later ones read nothing (consolidated)
 or only their own document (not consolidated).
 
-A v2 group with neither (a ``.zgroup`` only) is walked past once a v2 array below it was read from its own
-``.zarray`` (:meth:`Hierarchy.below_v2`): zarr-python's consolidated metadata of a group lists every node
-below it, so ``r.zarr/a/b`` is found in ``r.zarr/.zmetadata`` though ``r.zarr/a`` has none. Asked only
-then (its ``.zgroup``, and the levels above it), so that a v3 array's walk never asks for a v2 document;
-the first v2 array of such a group reads its own documents, its siblings none.
-
 A group's documents are loaded once however many threads ask at once (single flight): the first asks
 the store, the others wait for its answer (at most :data:`LOAD_WAIT_S`); a failure is raised in all of
 them (in each a new error of the same type naming its own array, the loader's as its cause) and not kept,
@@ -98,16 +92,12 @@ def _parents(prefix: str) -> list[str]:
 class Hierarchy:
     """Metadata reads of one store, with its groups' consolidated metadata cached; thread-safe."""
 
-    def __init__(self, store: Store, one_open: bool = False) -> None:
-        """``one_open``: it serves one array's open (made afresh for each, to see metadata as it is now), so
-        nothing is asked for the opens after it (:meth:`below_v2`)."""
+    def __init__(self, store: Store) -> None:
         self.store = store
-        self._one_open = one_open
         # group prefix -> (format, {relative key: doc}, is a group, its attributes) or None (see _group)
         self._groups: dict[str, tuple | None] = {}
         self._loading: dict[str, concurrent.futures.Future] = {}  # group prefix -> its load in flight
         self._nodes: dict[tuple, tuple | None] = {}  # (prefix, format asked) -> group_node's answer
-        self._v2_groups: dict[str, bool] = {}  # group prefix without zarr.json, .zmetadata -> has a .zgroup
         self._lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
 
     def read(self, key: str, uri: str, optional: bool = False) -> bytes | None:
@@ -166,30 +156,11 @@ class Hierarchy:
             hit = self._lookup(prefix, group, found)
             if hit is not None:
                 return hit
-        return self._walk(prefix, uri, ask_v2=False)
-
-    def below_v2(self, prefix: str, uri: str) -> None:
-        """The array at ``prefix`` is a v2 array read from its own ``.zarray``: its ancestors with neither
-        ``zarr.json`` nor ``.zmetadata`` are asked whether they are v2 groups (a ``.zgroup``), and those above
-        such a group read, so that the next :meth:`consolidated` of a node below them reaches an ancestor's
-        ``.zmetadata`` (see the module docstring). What it cannot read is left to the next open to ask."""
-        if self._one_open:
-            return  # no next open to serve
-        try:
-            self._walk(prefix, uri, ask_v2=True)
-        except StokerError:
-            pass  # (no cause kept: the open that asked succeeded; the next one walks again)
-
-    def _walk(self, prefix: str, uri: str, ask_v2: bool) -> tuple[int, dict] | None:
-        """:meth:`consolidated`'s walk up from ``prefix``; ``ask_v2``: whether an ancestor not known to be a v2
-        group (neither document) is asked for its ``.zgroup`` (else the walk stops there)."""
         for level, group in enumerate(_parents(prefix)):
             if level >= MAX_LEVELS:
                 return None
             found = self._group(group, uri)
             if found is None:
-                if self._v2_group(group, uri, ask_v2):
-                    continue
                 return None
             hit = self._lookup(prefix, group, found)
             if hit is not None:
@@ -197,18 +168,6 @@ class Hierarchy:
             if not found[2]:  # not a group
                 return None
         return None
-
-    def _v2_group(self, group: str, uri: str, ask: bool) -> bool:
-        """Whether ``group`` (neither ``zarr.json`` nor ``.zmetadata``) has a ``.zgroup``: as known, else
-        (``ask``) asked once per store, else no."""
-        with self._lock:
-            known = self._v2_groups.get(group)
-        if known is not None or not ask:
-            return bool(known)
-        found = self.exists(_join(group, ".zgroup"))
-        with self._lock:
-            self._v2_groups[group] = found
-        return found
 
     @staticmethod
     def _lookup(prefix: str, group: str, found: tuple) -> tuple[int, dict] | None:

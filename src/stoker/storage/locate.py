@@ -283,7 +283,7 @@ class Stores:
                 # Dropped, not closed: arrays opened from a store still read through it; a zip archive's
                 # descriptor is closed when the last of them is gone (ZipStore's finalizer).
                 self._stores.popitem(last=False)
-        return (held[0], Hierarchy(held[0], one_open=True)) if self._revalidate else held
+        return (held[0], Hierarchy(held[0])) if self._revalidate else held
 
     def _build(self, loc: Location, ident: tuple, options: dict, settings: dict, cache: Any) -> tuple[Store, Any]:
         """The store of ``ident`` made and kept (or the one another thread made meanwhile). Threads opening
