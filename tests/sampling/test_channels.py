@@ -237,3 +237,18 @@ def test_channels_whose_dimensions_come_in_another_order_are_refused(tmp_path, z
         _batches(stoker.RandomCrops(fields, seed=0, samples_per_epoch=1).for_rank(0, 1), batch_size=1)
     (same,), _ = _batches([stoker.Sample([uri["a"], uri["c"]], box)])
     np.testing.assert_array_equal(same[0].numpy(), np.stack([a[:2], a[:2] + 1]))
+
+
+def test_channels_whose_dimension_names_cannot_be_read_are_read_as_before(tmp_path):
+    """The dimension-order check of channels is advisory: an array whose ``_ARRAY_DIMENSIONS`` is malformed
+    (one name on a 2-d array) is left out of it, and with ``cf=False`` (nothing else reads those names) its
+    channels are read as they were before the check, not refused."""
+    a = np.arange(64, dtype="f4").reshape(8, 8)
+    uris = []
+    for name, attrs in (("a", {"_ARRAY_DIMENSIONS": ["y"]}), ("b", {"_ARRAY_DIMENSIONS": ["y", "x"]})):
+        z = zarr.create_array(str(tmp_path / f"{name}.zarr"), shape=(8, 8), chunks=(4, 4), dtype="f4",
+                              zarr_format=2, attributes=attrs)
+        z[:] = a
+        uris.append(str(tmp_path / f"{name}.zarr"))
+    (got,), _ = _batches([stoker.Sample(uris, [(0, 8), (0, 8)])], cf=False)
+    np.testing.assert_array_equal(got[0].numpy(), np.stack([a, a]))

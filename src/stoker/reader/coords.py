@@ -115,10 +115,14 @@ def check_channel_dimensions(readers: Sequence[ArrayReader], stores: Stores | No
     (xarray's ``(time, y, x)`` beside ``(time, x, y)`` on a square grid): stacked by axis position, one would
     be transposed against the other, where xarray aligns them by name. Arrays without names, or naming other
     dimensions, are not compared. ``stores`` and ``storage_options`` (by URI prefix, as Config's): those the
-    arrays were opened with."""
+    arrays were opened with. An array whose names cannot be read (malformed ``_ARRAY_DIMENSIONS``) is left out:
+    the check is advisory, and such an array was read before it."""
     first: tuple | None = None
     for r in readers:
-        names = dimension_names(r, stores, options_for(storage_options, r.uri))
+        try:
+            names = dimension_names(r, stores, options_for(storage_options, r.uri))
+        except MetadataError:
+            continue
         if names is None or any(n is None for n in names):
             continue
         if first is None:
