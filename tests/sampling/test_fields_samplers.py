@@ -448,6 +448,25 @@ def test_a_mask_larger_than_its_volume_at_its_scale_is_refused(volume):
     assert len(short) == 8
 
 
+def test_a_finer_mask_of_a_volume_a_coarse_level_rounded_down_is_taken(tmp_path):
+    """A volume of 101 reference voxels a side, its field read at scale 2 (50 voxels: rounded down, as
+    pyramids round) and masked at full resolution (101 voxels, scale 1): the mask spans one reference voxel
+    past the field's 100, within the rounding, and is taken (a finer mask gives finer positions); one a whole
+    field voxel further is refused."""
+    img = zarr.create_array(str(tmp_path / "img1.zarr"), shape=(50, 50), chunks=(25, 25), dtype="u1")
+    img[:] = 1
+    for n in (101, 102):
+        m = zarr.create_array(str(tmp_path / f"mask{n}.zarr"), shape=(n, n), chunks=(64, 64), dtype="u1")
+        m[:] = 1
+    fields = {"img": stoker.Field(str(tmp_path / "img1.zarr"), (8, 8), scale=(2, 2))}
+    src = stoker.RandomCrops(fields, seed=0, samples_per_epoch=4,
+                             mask=stoker.Mask(str(tmp_path / "mask101.zarr"), 0.5, field="img", scale=1))
+    assert len(src) == 4
+    with pytest.raises(stoker.InvalidArgument, match="scale 1 on axis 0"):
+        stoker.RandomCrops(fields, seed=0, samples_per_epoch=4,
+                           mask=stoker.Mask(str(tmp_path / "mask102.zarr"), 0.5, field="img", scale=1))
+
+
 @pytest.fixture(scope="module")
 def masked(volume):
     return lambda seed=0, n=97: stoker.RandomCrops(

@@ -217,13 +217,15 @@ def _check_mask_extent(mask: Any, mask_shape: tuple[int, ...], mask_scale: tuple
     """InvalidArgument where the mask, at its scale, reaches past the masked field's arrays by a whole mask voxel
     or more: its scale is not the mask's (a full-resolution mask given a coarse mask's scale), so its voxels
     would be read at other positions than they mark, and anchors drawn by the wrong ones, without a word. A
-    mask cut short of the arrays is taken (what lies past it counts as zero)."""
+    mask cut short of the arrays is taken (what lies past it counts as zero). A coarse array may have been rounded
+    down (a level of 101 voxels at scale 2 has 50), so the volume can reach ``scale - 1`` reference voxels past
+    it: a finer mask of the whole volume is taken."""
     if len(mask_shape) != len(shape):
         raise RankMismatch(f"{who}: mask {mask.uri} has {len(mask_shape)} axes (shape {mask_shape}); field "
                            f"{mask.field!r}'s arrays have {len(shape)}", uri=mask.uri)
     for axis, (m, s, n, k) in enumerate(zip(mask_shape, mask_scale, shape, scale)):
-        extent = n * k  # the field's arrays, in reference voxels
-        if (m - 1) * s >= extent:
+        extent = n * k  # the field's arrays, in reference voxels (the volume: up to k - 1 more)
+        if (m - 1) * s >= extent + k - 1:
             raise InvalidArgument(
                 f"{who}: mask {mask.uri} (shape {mask_shape}) at scale {s} on axis {axis} spans {m * s} reference "
                 f"voxels, past the {extent} of field {mask.field!r}'s arrays: its scale is not the mask's (a mask of "
