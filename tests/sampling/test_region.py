@@ -210,7 +210,8 @@ def test_labels_given_in_the_reverse_of_the_coordinates_order_say_so(era):
     leaves no anchor ... widen the region"; an InvalidArgument now says the labels are reversed and
     which order the coordinate takes. A range between two labels (none in it) keeps the old message."""
     t2m = os.path.join(era, "t2m")
-    with pytest.raises(InvalidArgument, match=r"'time'.*'2000-05-31'.*after.*ascending.*\('2000-03-01', '2000-05-31'\)"):
+    with pytest.raises(InvalidArgument,
+                       match=r"'time'.*'2000-05-31'.*after.*ascending.*\('2000-03-01', '2000-05-31'\)"):
         stoker.RandomCrops([t2m], (1, 1, 1), region={"time": ("2000-05-31", "2000-03-01")})
     with pytest.raises(InvalidArgument, match=r"'lat'.*descending.*\(60, -30\)"):
         stoker.RandomCrops([t2m], (1, 1, 1), region={"lat": (-30, 60)})

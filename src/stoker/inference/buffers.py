@@ -5,8 +5,8 @@ for the sum of weights). A fresh array of that size is new memory from the kerne
 by page on first touch (each page zeroed on the way): on one 128x256x256 volume that was ~50 000 faults
 and about a third of the ``hann`` blend's time. A buffer taken back from a written region costs one
 ``fill`` instead. The pool holds at most ``max_bytes`` of buffers (one more goes to the spare pool below,
-or is dropped), so what it holds on top of the regions in flight is bounded; it is shared between the caller's thread (``take``) and the
-background writers (``give``), hence the lock.
+or is dropped), so what it holds on top of the regions in flight is bounded; it is shared between the
+caller's thread (``take``) and the background writers (``give``), hence the lock.
 
 A writer's buffers would be new memory again for the next writer (a volume after another, in one
 process), so a closed writer's pool hands what it holds to :data:`SPARE` (:meth:`BufferPool.release`),
