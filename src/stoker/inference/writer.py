@@ -977,6 +977,8 @@ def _check_fits(p: np.ndarray, dtype: np.dtype, uri: str) -> None:
         return
     if np.issubdtype(dtype, np.floating) and p.dtype.kind in "iu":
         exact = 2 ** (np.finfo(dtype).nmant + 1)  # every integer up to it is a float of dtype
+        if -exact <= np.iinfo(p.dtype).min and np.iinfo(p.dtype).max <= exact:
+            return  # every value of p's dtype fits (uint8 or int16 into float32): nothing to scan
         lo, hi = int(p.min()), int(p.max())
         if lo < -exact or hi > exact:
             raise DtypeMismatch(f"TileWriter.write: integer predictions from {lo} to {hi} do not fit {uri}'s dtype "
