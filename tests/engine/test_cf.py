@@ -305,6 +305,28 @@ def test_scaled_float_variables_are_decoded_in_their_own_dtype(tmp_path, decode_
 
 
 @pytest.mark.parametrize("zarr_format", [2, 3])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_scaled_float_variables_with_a_fill_are_decoded_in_float64(tmp_path, decode_path, dtype, zarr_format):
+    """The same float variable with a number as its _FillValue: xarray masks it and then scales in float64
+    (its own dtype only follows a NaN fill); the batch is that float64 result rounded once, the fill NaN."""
+    rng = np.random.default_rng(3)
+    raw = (rng.normal(0, 300, (8, 12))).astype(dtype)
+    raw[2, 3] = -9999
+    path = str(tmp_path / f"s{zarr_format}.zarr")
+    ds = xr.Dataset({"v": (("y", "x"), raw)})
+    ds["v"].attrs.update(scale_factor=0.1, add_offset=273.15)
+    ds["v"].encoding["_FillValue"] = -9999.0
+    ds.to_zarr(path, mode="w", zarr_format=zarr_format, consolidated=False)
+    ref = xr.open_zarr(path, consolidated=False)["v"].values
+    assert ref.dtype == np.float64 and np.isnan(ref[2, 3])  # the oracle's own arithmetic: float64
+    box = ((1, 7), (2, 10))
+    for out in ("f32", "bf16"):
+        with stoker.Pipeline(_cfg(batch_size=1, dtype=out)) as pipe:
+            pipe.push([stoker.Sample(os.path.join(path, "v"), box)])
+            _assert_same(torch.from_dlpack(pipe.pop())[0], ref[1:7, 2:10])
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
 @pytest.mark.parametrize("dtype,fill", [("uint64", 2**64 - 1), ("int64", 2**63 - 1), ("int64", -2**63)])
 def test_a_fill_at_a_64_bit_integer_extreme_is_masked_as_xarray_masks_it(tmp_path, decode_path, zarr_format, dtype,
                                                                          fill):

@@ -62,6 +62,27 @@ def test_fills_no_value_can_equal_mask_nothing_as_in_xarray(group, decode_path, 
     assert torch.equal(got.nan_to_num(0.5), torch.from_numpy(want.astype(np.float32)).nan_to_num(0.5))
 
 
+@pytest.mark.parametrize("fmt", [2, 3])
+def test_missing_value_is_masked_beside_a_fill_value_as_in_xarray(tmp_path, decode_path, fmt):
+    """Both attributes name values the array holds: xarray masks each of them (and scales the rest)."""
+    path = str(tmp_path / f"both{fmt}.zarr")
+    g = zarr.open_group(path, mode="w", zarr_format=fmt)
+    z = g.create_array("v", shape=(6,), chunks=(3,), dtype="int16", fill_value=None if fmt == 2 else 0,
+                       **({"dimension_names": ["x"]} if fmt == 3 else {}))
+    z[:] = np.array([-9999, 1, -8888, 2, -9999, 3], dtype="int16")
+    z.attrs.update({"_FillValue": -9999, "missing_value": -8888, "scale_factor": 0.5,
+                    **({"_ARRAY_DIMENSIONS": ["x"]} if fmt == 2 else {})})
+    want = xr.open_zarr(path, consolidated=False, mask_and_scale=True)["v"].values
+    assert np.isnan(want).tolist() == [True, False, True, False, True, False]  # the oracle masks both
+    cfg = stoker.Config(batch_size=1, dtype="f32", host_buffer_bytes=8 << 20, n_io_threads=1, n_compute_threads=1,
+                        pop_timeout_s=30.0, device="cpu")
+    with stoker.Pipeline(cfg) as p:
+        p.push([stoker.Sample(os.path.join(path, "v"), ((0, 6),))])
+        got = torch.from_dlpack(p.pop())[0].clone()
+    assert torch.isnan(got).tolist() == np.isnan(want).tolist(), (got, want)
+    assert torch.equal(got.nan_to_num(0.5), torch.from_numpy(want.astype(np.float32)).nan_to_num(0.5))
+
+
 def test_a_fractional_fill_of_an_integer_array_is_refused():
     with pytest.raises(stoker.MetadataError, match=r"a\.zarr.*2\.5.*not an integer"):
         coding_of({"_FillValue": 2.5}, np.dtype("int16"), 3, uri="a.zarr")

@@ -647,3 +647,17 @@ def test_basic_indexing_reads_as_numpy_indexes(tmp_path):
         arr[[0, 1]]
     with pytest.raises(stoker.InvalidArgument, match="one '...'"):
         arr[..., ...]
+
+
+@pytest.mark.parametrize("orders", [[(1, 2, 0), (1, 0, 2)], [(2, 0, 1), (0, 2, 1), (1, 0, 2)]])
+def test_v3_chained_transposes_compose_in_codec_order(tmp_path, orders):
+    """Several transpose codecs in a row: each permutes what the one before it returned, as zarr-python applies
+    them; composed the other way round they name another axis order (a transposed or scrambled read)."""
+    path = str(tmp_path / "tt.zarr")
+    data = np.arange(4 * 5 * 6, dtype="int32").reshape(4, 5, 6)
+    z = zarr.create_array(store=path, shape=data.shape, chunks=(2, 5, 3), dtype="int32", compressors=None,
+                          filters=[TransposeCodec(order=o) for o in orders])
+    z[:] = data
+    assert np.array_equal(zarr.open_array(path, mode="r")[:], data)
+    np.testing.assert_array_equal(stoker.open_array(path).read([(0, 4), (0, 5), (0, 6)]), data)
+    check_reader(path, [((1, 3), (0, 5), (2, 6))], chunks=(2, 5, 3), shards=None, zarr_format=3)

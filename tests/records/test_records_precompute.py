@@ -534,6 +534,20 @@ def test_knn_tree_and_brute_force_give_the_same_table(dtype, monkeypatch):
     assert len(built) == 3
 
 
+def test_knn_tree_breaks_ties_among_more_duplicates_than_it_asks_for():
+    # 40 copies of one point at scattered indices: the tree returns only k + 9 candidates at distance 0, so which
+    # of the copies are the nearest (the lowest indices) is not decided by them; each copy's row must still be
+    # the lowest-index copies, as the full distance matrix has it
+    gen = torch.Generator().manual_seed(5)
+    pts = torch.randn(3000, 3, generator=gen, dtype=torch.float64)
+    copies = torch.randperm(3000, generator=gen)[:40]
+    pts[copies] = pts[copies[0]].clone()
+    for k in (1, 4, 16):
+        got = knn_graph(pts, k, method="tree")
+        assert torch.equal(got, brute_knn(pts, k)), k
+        assert torch.equal(got, knn_graph(pts, k, method="brute")), k
+
+
 def test_knn_auto_takes_the_tree_for_large_cpu_clouds_only(monkeypatch):
     from stoker.records import TREE_MIN_POINTS
 

@@ -204,6 +204,21 @@ def test_anchor_range_is_exactly_where_every_box_fits(volume):
     assert [hi for _, hi in s["context"].aabb] == [24, 32, 28]  # the last one ends at the level's end
 
 
+def test_random_anchors_reach_both_ends_of_every_axis(volume):
+    # uniform per axis over the whole lattice: the last anchor (the box that ends at the level's end) is drawn as
+    # often as the first; the range is worked out from the arrays' shapes, not from the sampler
+    level2 = zarr.open_array(volume["image"] + "/2", mode="r").shape
+    lo = 16  # the context's offset -16
+    hi = [min(n - 32, n - 16 - 8, 4 * (m - 16) + 16) for n, m in zip(SHAPE, level2)]  # raw, labels, context
+    src = stoker.RandomCrops(_fields(volume), seed=3, samples_per_epoch=4000)
+    drawn = np.array([_anchor(s) for s in _epoch(src)])
+    for axis in range(3):
+        values, counts = np.unique(drawn[:, axis], return_counts=True)
+        assert values.tolist() == list(range(lo, hi[axis] + 1, 4)), axis
+        expected = len(drawn) / len(values)
+        assert counts.min() > expected / 2 and counts.max() < expected * 2, (axis, counts)
+
+
 def test_field_errors_say_what_to_change(volume):
     with pytest.raises(stoker.InvalidArgument, match=r"offset -14 on axis 0, not a multiple of its scale 4.*-16 or -12"):
         stoker.RandomCrops({"raw": stoker.Field(volume["image"] + "/0", (8, 8, 8)),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+
 import numpy as np
 import pytest
 import zarr
@@ -98,6 +100,16 @@ def test_fill_value_rejects(value, dtype):
     with pytest.raises(stoker.MetadataError, match="/arr.zarr"):
         parse_fill_value(value if dtype[0] != "c" or not isinstance(value, str) else [value, value],
                          np.dtype(dtype), "/arr.zarr", 3)
+
+
+@pytest.mark.parametrize("dtype", [">i2", "<i2", ">u4", "<i8", "|i1"])
+def test_v2_base64_integer_fill_values_are_bytes_in_the_array_s_byte_order(dtype):
+    """A base64 fill value is one value's bytes as the array stores them (its dtype's byte order, as numpy's
+    tobytes writes them); read back in the native order."""
+    value = -300 if np.dtype(dtype).kind == "i" and np.dtype(dtype).itemsize > 1 else 100
+    encoded = base64.standard_b64encode(np.array(value, dtype=dtype).tobytes()).decode()
+    fill = parse_fill_value(encoded, np.dtype(dtype), "u", 2)
+    assert fill[()] == value and fill.dtype == np.dtype(dtype).newbyteorder("=")
 
 
 @pytest.mark.parametrize("value", ["AQAAAAIAAAA=", "AQA=", ""])  # two int32s, two bytes, none
