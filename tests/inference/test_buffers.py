@@ -141,6 +141,13 @@ def test_a_buffer_past_the_bound_goes_to_the_spare_pool_not_the_kernel():
     assert all(any(a is b for b in bufs) for a in again) and spare.held_bytes == 0
 
 
+def _grid_batches(uri):
+    """The tile grid of ``uri`` and its batches as ``(samples, tile tensor)`` pairs, read once."""
+    grid = stoker.TileGrid([uri], TILE, stride=STRIDE)
+    cfg = stoker.Config(batch_size=4, dtype="f32", device="cpu", n_compute_threads=1)
+    return grid, [(s, x.clone()) for s, x in stoker.CropDataset(grid, cfg, with_samples=True)]
+
+
 @pytest.mark.parametrize("blend", ["none", "hann"])
 def test_a_writer_with_many_regions_open_makes_no_new_buffers_for_the_next_volume(volume, tmp_path, monkeypatch,
                                                                                     blend):
@@ -166,9 +173,7 @@ def test_a_writer_with_many_regions_open_makes_no_new_buffers_for_the_next_volum
     monkeypatch.setattr(writer_module, "BufferPool", Counting)
     monkeypatch.setattr(writer_module, "SPARE", BufferPool(max_bytes=64 * MIB))
     uri, data = volume
-    grid = stoker.TileGrid([uri], TILE, stride=STRIDE)
-    cfg = stoker.Config(batch_size=4, dtype="f32", device="cpu", n_compute_threads=1)
-    batches = [(s, x.clone()) for s, x in stoker.CropDataset(grid, cfg, with_samples=True)]
+    grid, batches = _grid_batches(uri)
     made = []
     for i in range(2):
         out = str(tmp_path / f"out{i}.zarr")
@@ -199,9 +204,7 @@ def test_the_next_writer_takes_a_closed_writers_buffers(volume, tmp_path, monkey
     spare = Counting(max_bytes=64 * MIB)
     monkeypatch.setattr(writer_module, "SPARE", spare)
     uri, data = volume
-    grid = stoker.TileGrid([uri], TILE, stride=STRIDE)
-    cfg = stoker.Config(batch_size=4, dtype="f32", device="cpu", n_compute_threads=1)
-    batches = [(s, x.clone()) for s, x in stoker.CropDataset(grid, cfg, with_samples=True)]
+    grid, batches = _grid_batches(uri)
     hits = []
     for i in range(2):
         out = str(tmp_path / f"out{i}.zarr")
