@@ -1532,3 +1532,29 @@ def test_a_remote_v3_array_s_zarr_json_is_requested_once_for_its_metadata_and_at
         assert [p for p in http.paths if p.endswith("t.zarr/zarr.json")] == ["/t.zarr/zarr.json"], http.paths
     finally:
         http.stop()
+
+
+@pytest.mark.parametrize("cf", [True, False])
+def test_a_v2_array_without_zattrs_behind_403s_reads_in_a_pipeline(tmp_path, cf):
+    """A v2 array with no .zattrs on a server that answers 403 for a missing key (S3 without s3:ListBucket):
+    its attributes (CF coding, dimension names for the channel check) are optional documents, so the refusal
+    reads as none, as the hierarchy's probes read it; before, Config(cf=True) failed the batch with the 403.
+    The two arrays are one sample's channels, so the dimension check asks for them too."""
+    a = np.arange(64, dtype="f4").reshape(8, 8)
+    for name in ("a", "b"):
+        z = zarr.create_array(str(tmp_path / f"{name}.zarr"), shape=(8, 8), chunks=(4, 4), dtype="f4",
+                              zarr_format=2)
+        z[:] = a + (name == "b")
+        if (tmp_path / f"{name}.zarr" / ".zattrs").exists():
+            (tmp_path / f"{name}.zarr" / ".zattrs").unlink()
+    server = RangeServer(str(tmp_path))
+    server.missing_status = 403
+    try:
+        cfg = stoker.Config(batch_size=1, dtype="f32", device="cpu", n_compute_threads=2, pop_timeout_s=20.0,
+                            cf=cf, storage_options={server.url: dict(FAST)})
+        with stoker.Pipeline(cfg) as p:
+            p.push([stoker.Sample([f"{server.url}/a.zarr", f"{server.url}/b.zarr"], [(0, 8), (0, 8)])])
+            (got,) = [torch.from_dlpack(b).clone() for b in p]
+    finally:
+        server.stop()
+    np.testing.assert_array_equal(got[0].numpy(), np.stack([a, a + 1]))

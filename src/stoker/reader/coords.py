@@ -22,8 +22,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..errors import InvalidArgument, MetadataError, NotFound, UnsupportedFormat
+from ..errors import InvalidArgument, MetadataError, NotFound, StorageError, UnsupportedFormat
 from ..storage.locate import Stores, locate, options_for
+from ..storage.store import denied
 from ..zarr.cf import CFCoding, coding_of, decode_timedeltas, decode_times, is_time_units, timedelta_dtype
 from ..zarr.fields import show
 from ..zarr.metadata import parse_json
@@ -42,6 +43,10 @@ def _read(reader: ArrayReader, name: str) -> dict | None:
         raw = reader.kv.get(key)
     except NotFound:
         return None
+    except StorageError as exc:
+        if denied(exc):  # S3's answer for a missing key to a client without s3:ListBucket (see store.denied)
+            return None
+        raise
     if len(raw) > MAX_METADATA_BYTES:
         raise MetadataError(f"{reader.uri}: {name} is {len(raw)} bytes, more than the {MAX_METADATA_BYTES} bytes "
                             "stoker reads as Zarr metadata", uri=reader.uri)
@@ -115,13 +120,15 @@ def check_channel_dimensions(readers: Sequence[ArrayReader], stores: Stores | No
     (xarray's ``(time, y, x)`` beside ``(time, x, y)`` on a square grid): stacked by axis position, one would
     be transposed against the other, where xarray aligns them by name. Arrays without names, or naming other
     dimensions, are not compared. ``stores`` and ``storage_options`` (by URI prefix, as Config's): those the
-    arrays were opened with. An array whose names cannot be read (malformed ``_ARRAY_DIMENSIONS``) is left out:
-    the check is advisory, and such an array was read before it."""
+    arrays were opened with. An array whose names cannot be read (malformed ``_ARRAY_DIMENSIONS``, a store
+    that fails the request) is left out: the check is advisory, and such an array was read before it. With
+    ``Config(cf=True)`` (the default) the names were read with the arrays' CF attributes when opened; else a
+    v2 array's ``.zattrs`` is read here, once per group of channels and pipeline."""
     first: tuple | None = None
     for r in readers:
         try:
             names = dimension_names(r, stores, options_for(storage_options, r.uri))
-        except MetadataError:
+        except (MetadataError, StorageError):
             continue
         if names is None or any(n is None for n in names):
             continue

@@ -27,11 +27,11 @@ import torch
 from ...runtime import gil
 from ...runtime.workers import DaemonPool, start_thread, when_all_done
 from ...reader.array import DEFAULT_INDEX_CACHE_BYTES, ArrayReader, index_size, open_array, open_local
-from ...reader.coords import check_channel_dimensions, coding, dimension_names
+from ...reader.coords import check_channel_dimensions, coding
 from ...reader.metacache import stat_document
 from ...storage.cache import SizedLRU
 from ...config import Config
-from ...errors import BudgetExceeded, DtypeMismatch, MetadataError, NotYetSupported, ShutdownError, StokerError
+from ...errors import BudgetExceeded, DtypeMismatch, NotYetSupported, ShutdownError, StokerError
 from ...sampling.sample import Sample, parts
 from ...storage import LocalStore
 from ...storage.local import identity
@@ -180,14 +180,6 @@ class Coordinator:
             metas = _identities(stats)
         if self.cfg.cf:  # its attributes read with its metadata (consolidated, or on _open_all's threads)
             coding(reader, self.stores, options)
-        elif reader.zarr_format == 2 and not reader.kv.is_local:
-            # its dimension names, which a channel check asks for (_check_channels), read here too: on the opener
-            # threads, overlapped, not one request after another on the coordinator's (v3 names come with
-            # zarr.json); names it cannot read are left out of the check (advisory)
-            try:
-                dimension_names(reader, self.stores, options)
-            except MetadataError:
-                pass
         if metas is not None:  # kept with the reader: evicted with it (see forget_rewritten)
             reader.derived["metadata_files"] = metas
         return reader
