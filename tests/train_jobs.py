@@ -160,6 +160,19 @@ def nonfinite_on_rank1_and_eval(ctx: st.RankContext) -> dict:
     return {"ranks": gathered}
 
 
+def telemetry_of_two_ranks(ctx: st.RankContext, directory: str) -> dict:
+    """Each rank trains on its own half of the global batches (other losses on each rank), logging every
+    step: rank 0's telemetry record of a step is written after the ranks' losses are reduced."""
+    model = Tiny()
+    trainer = st.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), mse, device=ctx.device, progress=False,
+                         telemetry_dir=directory, log_every=1)
+    mine = [gb[ctx.rank * 2: ctx.rank * 2 + 2].clone() * (1 + 3 * ctx.rank) for gb in global_batches(3, 4)]
+    result = trainer.fit(mine, steps=3, resume=None)
+    gathered = [None] * ctx.world_size
+    dist.all_gather_object(gathered, {"losses": result.losses, "telemetry": str(result.telemetry or "")})
+    return {"ranks": gathered}
+
+
 if __name__ == "__main__":
     # Under torchrun: launch() runs describe() in this process as one rank; every rank prints what it saw.
     import json

@@ -791,6 +791,22 @@ def test_ddp_ranks_skip_a_nonfinite_step_together_and_reduce_the_eval_loss():
     assert rank0["eval"][3] == pytest.approx(expected, rel=1e-5)
 
 
+def test_telemetry_logs_the_mean_of_the_ranks_losses(tmp_path):
+    """Two ranks with other losses at every step: the telemetry's ``loss`` is their mean (the loss of the
+    global batch), not rank 0's own, nor the sum over ranks."""
+    out = st.launch(jobs.telemetry_of_two_ranks, str(tmp_path / "run"), nprocs=2, use_cuda=False)
+    rank0, rank1 = out["ranks"]
+    path = rank0["telemetry"]
+    assert path, "rank 0 wrote no telemetry"
+    records = [json.loads(line) for line in open(path).read().splitlines()]
+    logged = {r["step"]: r["loss"] for r in records if "loss" in r}
+    assert sorted(logged) == [1, 2, 3]
+    for step, loss in logged.items():
+        a, b = rank0["losses"][step], rank1["losses"][step]
+        assert a != pytest.approx(b)  # the ranks' losses differ, so a mean, a sum and rank 0's own differ
+        assert loss == pytest.approx((a + b) / 2, rel=1e-6)
+
+
 class Masked(torch.nn.Module):
     """A BatchNorm (running statistics updated by every training forward) and a causal mask buffer of -inf
     (as nn.Transformer.generate_square_subsequent_mask makes)."""
