@@ -128,11 +128,12 @@ def test_a_crop_that_leaves_voxels_no_tile_writes_is_refused(tmp_path, pad, crop
 
 def test_a_grid_with_gaps_of_its_own_is_not_refused(tmp_path):
     """A stride past the tile leaves gaps on purpose (TileGrid's docstring): the writer does not refuse the
-    crop for voxels no tile covers."""
+    crop for voxels no tile covers, and says in a warning which keep the fill value."""
     data = np.arange(1, 13, dtype="f4")
     grid = stoker.TileGrid([_source(tmp_path, data)], (3,), stride=(5,))  # tiles at 0, 5 and 9 (the last shifted)
-    got = _write(str(tmp_path / "out.zarr"), grid, _tiles(grid), lambda s: data[slice(*box_of(s)[0])], data.shape,
-                 (12,), crop=0, fill_value=-1)
+    with pytest.warns(UserWarning, match=r"voxels 3\.\.4 of axis 0 \(and 1 more on it\) are in no tile"):
+        got = _write(str(tmp_path / "out.zarr"), grid, _tiles(grid), lambda s: data[slice(*box_of(s)[0])],
+                     data.shape, (12,), crop=0, fill_value=-1)
     np.testing.assert_array_equal(got, np.where(np.isin(np.arange(12), [3, 4, 8]), -1, data))
 
 

@@ -358,7 +358,8 @@ def test_voxels_no_tile_reaches_keep_the_fill_value(volume, tmp_path, blend, dty
     uri, data = volume
     grid = stoker.TileGrid([uri], (4, 5, 5), stride=(6, 8, 7))
     out = str(tmp_path / "o.zarr")
-    w = stoker.TileWriter(out, SHAPE, (4, 8, 8), dtype, blend=blend, grid=grid, fill_value=fill)
+    with pytest.warns(UserWarning, match="are in no tile: they keep the fill value"):
+        w = stoker.TileWriter(out, SHAPE, (4, 8, 8), dtype, blend=blend, grid=grid, fill_value=fill)
     want = np.full(SHAPE, fill, dtype)
     for i in range(len(grid)):
         s = grid.sample(0, i)

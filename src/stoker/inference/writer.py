@@ -55,6 +55,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
+import warnings
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -937,14 +938,23 @@ def _refuse_holes(grid: TileGrid, tiles: set[Box], crop: tuple[int, ...], shape:
     """InvalidArgument where ``crop`` leaves voxels that the grid's ``tiles`` cover but none of their kept boxes
     does: written as the fill value without a word (a centre of ``tile - 2 * crop`` shorter than the stride). A
     grid's tiles are the product of each axis's, so the axes are checked apart; voxels no tile covers (a stride
-    past the tile leaves gaps on purpose) are not the crop's doing."""
+    past the tile leaves gaps on purpose) are not the crop's doing, and are said in a warning: they too keep the
+    fill value."""
     ndim = len(crop)
     spatial = shape[-ndim:]
     if len(shape) not in (ndim, ndim + 1):
         return  # refused with its own message by _setup
-    padded = grid.pad is not None
+    padded, warned = grid.pad is not None, False
     for k, n in enumerate(spatial):
         along = {tile[k] for tile in tiles}
+        gaps = holes([(0, n)], list(along), n)
+        if gaps and not warned:
+            warned = True
+            a, b = gaps[0]
+            warnings.warn(f"TileWriter(grid=...): the grid's stride {tuple(grid.stride)} is longer than its tile "
+                          f"{tuple(grid.sample_shape)}, so voxels {a}..{b - 1} of axis {k} (and "
+                          f"{sum(y - x for x, y in gaps) - (b - a)} more on it) are in no tile: they keep the fill "
+                          "value. For a whole volume use a stride of at most the tile", UserWarning, stacklevel=3)
         kept = [output_box((t,), (crop[k],), (n,), padded)[0] for t in along]
         found = holes(list(along), kept, n)
         if found:
