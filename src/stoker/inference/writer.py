@@ -941,9 +941,7 @@ def _refuse_holes(grid: TileGrid, tiles: set[Box], crop: tuple[int, ...], shape:
     past the tile leaves gaps on purpose) are not the crop's doing, and are said in a warning: they too keep the
     fill value."""
     ndim = len(crop)
-    spatial = shape[-ndim:]
-    if len(shape) not in (ndim, ndim + 1):
-        return  # refused with its own message by _setup
+    spatial = shape[-ndim:]  # (its rank checked first: _check_rank)
     padded, warned = grid.pad is not None, False
     for k, n in enumerate(spatial):
         along = {tile[k] for tile in tiles}
