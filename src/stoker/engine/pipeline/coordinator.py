@@ -632,7 +632,7 @@ class Coordinator:
         """Each group of arrays read as channels names its dimensions in one order (see
         :func:`~stoker.reader.coords.check_channel_dimensions`); a group is looked at once per pipeline."""
         for s in samples:
-            group = tuple(s.uris)
+            group = s.uris  # (a tuple: hashable as it is)
             if len(group) > 1 and group not in self._channels_checked:
                 check_channel_dimensions([known[u] for u in group], self.stores, self.cfg.storage_options)
                 self._channels_checked.add(group)
