@@ -692,6 +692,45 @@ def test_hand_built_blosc_frames(work, data):
                   data.draw(scratch_slack), valid=valid, reference=content if valid else None)
 
 
+_BLOSC_MAX_BUFFERSIZE = 2**31 - 1 - 16  # c-blosc 1's largest chunk (INT_MAX less its overhead)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("typesize", [1, 4])
+def test_a_blosc_header_stating_more_than_blosc1_holds_is_refused_before_blosc(work, typesize):
+    """A blosc1 header stating a chunk of 3 GiB (the chunk's metadata saying as much): the partial decode handed
+    blosc_getitem its first item and count cast to int, so a span past 2 GiB became a negative start, and the
+    whole decode a size blosc reads as a negative int32; only blosc's own checks stopped them (ST_CODEC_ERROR,
+    -1). Such a header is refused now before any blosc call (ST_FRAME: the Python path decides), every span
+    alike; one stating c-blosc's largest chunk is still handed to blosc. Nothing is decoded: the 3 GiB output
+    is mapped, never touched."""
+    blocksize, nblocks = 1 << 30, 3
+    table_end = 16 + 4 * nblocks
+    body = b"".join((1).to_bytes(4, "little") + b"\0" for _ in range(nblocks))  # junk streams: blosc refuses
+    starts = [table_end + 5 * i for i in range(nblocks)]
+    path = work / "huge_blosc"
+    # mapped, never written (released with the test)
+    out = mmap.mmap(-1, 3 << 30, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0))
+    view = np.frombuffer(out, np.uint8)
+    scratch = np.zeros(1 << 12, np.uint8)
+    for nbytes in (3 << 30, 2**31, _BLOSC_MAX_BUFFERSIZE + 1, _BLOSC_MAX_BUFFERSIZE):
+        frame = bytearray(blosc_frame(nbytes, blocksize, starts, body, flags=0x1))
+        frame[3] = typesize
+        path.write_bytes(bytes(frame))
+        spans_tried = [(0, nbytes), (16, 80), (nbytes - 64, nbytes)]
+        if nbytes > 2**31 + 64:
+            spans_tried.append((2**31 + 16, 2**31 + 80))  # an item past INT_MAX bytes
+        with configured(share=1.0):
+            for span in spans_tried:
+                (status, nread, detail, *_), = native_testing.decode_files(
+                    native.CODEC_BLOSC, [str(path)], [(-1, 0, *span)], scratch, [view[:nbytes]], nbytes, None,
+                    None)
+                if nbytes > _BLOSC_MAX_BUFFERSIZE:
+                    assert status == native.ST_FRAME, (nbytes, span, status, detail)
+                else:  # within blosc1's range: handed to blosc, which refuses the junk streams
+                    assert status == native.ST_CODEC_ERROR, (nbytes, span, status, detail)
+
+
 # ---------------------------------------------------------------------------------------------
 # Random bytes
 
