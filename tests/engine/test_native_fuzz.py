@@ -1588,6 +1588,44 @@ def test_copy_rows_arguments(data):
     assert np.frombuffer(got, np.int64).reshape(-1, native.COPY_COLS(ndim)).tolist() == want
 
 
+@pytest.mark.skipif(native.copy_rows is None, reason="the compiled grid planner is not built")
+def test_copy_rows_takes_strided_columns_and_refuses_repeated_memory():
+    """copy_rows copied each column (csrc/py_args.c int64_matrix) into rows x cols int64 by the buffer's
+    logical size, as if that were memory the caller holds: a np.broadcast_to column (stride 0) of 2**47 rows,
+    8 bytes of memory, asked for a 1 PiB allocation (a MemoryError; at a size the machine's overcommit lets
+    through, tens of GiB written from 8 bytes), and a small one was silently taken. A column whose values
+    repeat in memory (a zero stride, rows overlapping: np.broadcast_to, sliding_window_view) is refused now
+    with a ValueError that names it and the fix; strided views (a table's columns, reversed) are read as
+    their values, as before."""
+    ndim, m = 2, 3
+    # per copy: its offset in the chunk, its batch row, its start in the crop, its extent; two spare columns
+    table = np.array([[5, 0, 1, 2, 3, 4, -1, -1], [7, 1, 0, 0, 2, 2, -1, -1], [9, 2, 3, 1, 1, 5, -1, -1]], np.int64)
+    src, row, box, ext = table[:, 0], table[:, 1], table[:, 2:4], table[:, 4:6]
+    strides = array("q", [100, 1])
+    want = native.copy_rows(*(np.ascontiguousarray(c) for c in (src, row, box, ext)), 10000, strides)
+    assert native.copy_rows(src, row, box, ext, 10000, strides) == want  # the table's strided columns
+    reversed_ = native.copy_rows(src[::-1], row[::-1], box[::-1], ext[::-1], 10000, strides)
+    assert np.frombuffer(reversed_, np.int64).reshape(m, -1).tolist() == \
+        np.frombuffer(want, np.int64).reshape(m, -1)[::-1].tolist()
+    huge = np.broadcast_to(np.int64(0), (2**47,))
+    repeated = [
+        (0, huge), (1, huge),  # 1 PiB of logical int64 in 8 bytes
+        (0, np.broadcast_to(src[:1], (m,))),  # a small broadcast: every row the same address
+        (2, np.broadcast_to(box[:1], (m, ndim))),
+        (3, np.lib.stride_tricks.sliding_window_view(np.arange(m + 1, dtype=np.int64), ndim)),  # rows overlap
+    ]
+    for k, column in repeated:
+        args = [src, row, box, ext]
+        args[k] = column
+        if len(column) != m:
+            args = [np.broadcast_to(np.int64(0), (len(column),) + a.shape[1:]) if i != k else a
+                    for i, a in enumerate(args)]
+        with pytest.raises(ValueError, match=r"repeats values in memory .*np.ascontiguousarray"):
+            native.copy_rows(*args, 10000, strides)
+    with pytest.raises(ValueError, match="repeats values in memory"):
+        native.copy_rows(src, row, box, ext, 10000, np.broadcast_to(np.int64(1), (ndim,)))
+
+
 # ---------------------------------------------------------------------------------------------
 # Disk-cache entries (csrc/entries.c): entry files in storage/diskcache.py's layout, sound or damaged, which
 # the engine reads whole into its scratch and checks before it decodes a byte of them
