@@ -94,8 +94,8 @@ def _read_documents(reader: ArrayReader, stores: Stores | None, options: dict | 
     """:func:`_documents_of`'s reading and checking, none of it kept."""
     uri = reader.uri
     known = _consolidated(reader, stores, options) or {}
-    if not known and reader.metadata.document is not None:  # the zarr.json its metadata was read from
-        known = {"zarr.json": reader.metadata.document}
+    if not known and reader.metadata.document is not None:  # the zarr.json or .zarray its metadata was read from
+        known = {"zarr.json" if reader.zarr_format == 3 else ".zarray": reader.metadata.document}
     read = (lambda name: known[name] if name in known else _read(reader, name))
     if reader.zarr_format == 3:
         doc = read("zarr.json") or {}
