@@ -692,6 +692,45 @@ def test_hand_built_blosc_frames(work, data):
                   data.draw(scratch_slack), valid=valid, reference=content if valid else None)
 
 
+_BLOSC_MAX_BUFFERSIZE = 2**31 - 1 - 16  # c-blosc 1's largest chunk (INT_MAX less its overhead)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("typesize", [1, 4])
+def test_a_blosc_header_stating_more_than_blosc1_holds_is_refused_before_blosc(work, typesize):
+    """A blosc1 header stating a chunk of 3 GiB (the chunk's metadata saying as much): the partial decode handed
+    blosc_getitem its first item and count cast to int, so a span past 2 GiB became a negative start, and the
+    whole decode a size blosc reads as a negative int32; only blosc's own checks stopped them (ST_CODEC_ERROR,
+    -1). Such a header is refused now before any blosc call (ST_FRAME: the Python path decides), every span
+    alike; one stating c-blosc's largest chunk is still handed to blosc. Nothing is decoded: the 3 GiB output
+    is mapped, never touched."""
+    blocksize, nblocks = 1 << 30, 3
+    table_end = 16 + 4 * nblocks
+    body = b"".join((1).to_bytes(4, "little") + b"\0" for _ in range(nblocks))  # junk streams: blosc refuses
+    starts = [table_end + 5 * i for i in range(nblocks)]
+    path = work / "huge_blosc"
+    # mapped, never written (released with the test)
+    out = mmap.mmap(-1, 3 << 30, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0))
+    view = np.frombuffer(out, np.uint8)
+    scratch = np.zeros(1 << 12, np.uint8)
+    for nbytes in (3 << 30, 2**31, _BLOSC_MAX_BUFFERSIZE + 1, _BLOSC_MAX_BUFFERSIZE):
+        frame = bytearray(blosc_frame(nbytes, blocksize, starts, body, flags=0x1))
+        frame[3] = typesize
+        path.write_bytes(bytes(frame))
+        spans_tried = [(0, nbytes), (16, 80), (nbytes - 64, nbytes)]
+        if nbytes > 2**31 + 64:
+            spans_tried.append((2**31 + 16, 2**31 + 80))  # an item past INT_MAX bytes
+        with configured(share=1.0):
+            for span in spans_tried:
+                (status, nread, detail, *_), = native_testing.decode_files(
+                    native.CODEC_BLOSC, [str(path)], [(-1, 0, *span)], scratch, [view[:nbytes]], nbytes, None,
+                    None)
+                if nbytes > _BLOSC_MAX_BUFFERSIZE:
+                    assert status == native.ST_FRAME, (nbytes, span, status, detail)
+                else:  # within blosc1's range: handed to blosc, which refuses the junk streams
+                    assert status == native.ST_CODEC_ERROR, (nbytes, span, status, detail)
+
+
 # ---------------------------------------------------------------------------------------------
 # Random bytes
 
@@ -1547,6 +1586,44 @@ def test_copy_rows_arguments(data):
     event("made")
     assert want is not None
     assert np.frombuffer(got, np.int64).reshape(-1, native.COPY_COLS(ndim)).tolist() == want
+
+
+@pytest.mark.skipif(native.copy_rows is None, reason="the compiled grid planner is not built")
+def test_copy_rows_takes_strided_columns_and_refuses_repeated_memory():
+    """copy_rows copied each column (csrc/py_args.c int64_matrix) into rows x cols int64 by the buffer's
+    logical size, as if that were memory the caller holds: a np.broadcast_to column (stride 0) of 2**47 rows,
+    8 bytes of memory, asked for a 1 PiB allocation (a MemoryError; at a size the machine's overcommit lets
+    through, tens of GiB written from 8 bytes), and a small one was silently taken. A column whose values
+    repeat in memory (a zero stride, rows overlapping: np.broadcast_to, sliding_window_view) is refused now
+    with a ValueError that names it and the fix; strided views (a table's columns, reversed) are read as
+    their values, as before."""
+    ndim, m = 2, 3
+    # per copy: its offset in the chunk, its batch row, its start in the crop, its extent; two spare columns
+    table = np.array([[5, 0, 1, 2, 3, 4, -1, -1], [7, 1, 0, 0, 2, 2, -1, -1], [9, 2, 3, 1, 1, 5, -1, -1]], np.int64)
+    src, row, box, ext = table[:, 0], table[:, 1], table[:, 2:4], table[:, 4:6]
+    strides = array("q", [100, 1])
+    want = native.copy_rows(*(np.ascontiguousarray(c) for c in (src, row, box, ext)), 10000, strides)
+    assert native.copy_rows(src, row, box, ext, 10000, strides) == want  # the table's strided columns
+    reversed_ = native.copy_rows(src[::-1], row[::-1], box[::-1], ext[::-1], 10000, strides)
+    assert np.frombuffer(reversed_, np.int64).reshape(m, -1).tolist() == \
+        np.frombuffer(want, np.int64).reshape(m, -1)[::-1].tolist()
+    huge = np.broadcast_to(np.int64(0), (2**47,))
+    repeated = [
+        (0, huge), (1, huge),  # 1 PiB of logical int64 in 8 bytes
+        (0, np.broadcast_to(src[:1], (m,))),  # a small broadcast: every row the same address
+        (2, np.broadcast_to(box[:1], (m, ndim))),
+        (3, np.lib.stride_tricks.sliding_window_view(np.arange(m + 1, dtype=np.int64), ndim)),  # rows overlap
+    ]
+    for k, column in repeated:
+        args = [src, row, box, ext]
+        args[k] = column
+        if len(column) != m:
+            args = [np.broadcast_to(np.int64(0), (len(column),) + a.shape[1:]) if i != k else a
+                    for i, a in enumerate(args)]
+        with pytest.raises(ValueError, match=r"repeats values in memory .*np.ascontiguousarray"):
+            native.copy_rows(*args, 10000, strides)
+    with pytest.raises(ValueError, match="repeats values in memory"):
+        native.copy_rows(src, row, box, ext, 10000, np.broadcast_to(np.int64(1), (ndim,)))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -163,6 +163,32 @@ def test_generator_is_pulled_lazily_and_push_while_pop(volume):
         assert next(pulled) <= (5 + 3 + 1) * 4 + 1
 
 
+def test_a_pop_waiting_on_used_up_samples_takes_another_threads_push(volume):
+    """pop() over used-up pushed samples waits up to pop_timeout_s, by design (the leftover "pop should raise
+    at once" was looked at and kept): push is open to any thread while a pop waits, so nothing tells the
+    pop that no more samples come; iteration (``for b in p``) is what ends once what was pushed is used up,
+    and close() from another thread ends a waiting pop with ShutdownError. Here the pop is served by a push
+    made half a second into its wait, long before its 20 s."""
+    uri, data = volume
+    samples = _random_samples(uri, data.shape, (8, 8, 8), 8)
+    with stoker.Pipeline(_cfg(batch_size=4, pop_timeout_s=20.0)) as p:
+        p.push(samples[:4])
+        assert [len(b) for b in p.batches(1)] == [4]
+        assert list(p) == []  # the pushed samples are used up: iteration ends, it does not wait
+        pusher = threading.Timer(0.5, p.push, (samples[4:],))
+        pusher.start()
+        t0 = time.monotonic()
+        try:
+            with p.pop() as b:
+                assert list(b.samples) == samples[4:]
+                x = torch.from_dlpack(b)
+                for row, s in enumerate(b.samples):
+                    assert torch.equal(x[row], _expected(data, s, "f32"))
+        finally:
+            pusher.join(5)
+        assert time.monotonic() - t0 < 15
+
+
 def test_a_released_slot_is_refilled_before_the_next_pop(volume):
     """The coordinator plans the next batch while every slot is full and launches it into the slot the
     consumer gives back, without waiting for the consumer's next pop; the batches still come in push order

@@ -161,6 +161,27 @@ def test_arguments_are_checked(volume, tmp_path):
         stoker.TileWriter(str(tmp_path / "b.zarr"), SHAPE, (4, 8, 8), "f4", blend="hann")
 
 
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_an_existing_array_of_other_chunks_or_shards_is_refused(tmp_path, zarr_format):
+    """TileWriter(uri, shape, chunks=(4, 8, 8)) over an existing array chunked (8, 8, 8) wrote with the existing
+    chunks and said nothing: the caller who asked for other chunks (other regions, other write units) got what
+    was there. It is refused now, naming the chunks the array has; the chunks it has are accepted."""
+    out = str(tmp_path / "o.zarr")
+    zarr.create_array(out, shape=SHAPE, chunks=(8, 8, 8), dtype="f4", zarr_format=zarr_format)
+    with pytest.raises(stoker.InvalidArgument, match=r"chunks \(8, 8, 8\), not \(4, 8, 8\)") as err:
+        stoker.TileWriter(out, SHAPE, (4, 8, 8), "f4", zarr_format=zarr_format)
+    assert err.value.uri == out
+    with pytest.raises(stoker.InvalidArgument, match=r"dtype float32, not uint8"):
+        stoker.TileWriter(out, SHAPE, (8, 8, 8), "u1", zarr_format=zarr_format)
+    stoker.TileWriter(out, SHAPE, (8, 8, 8), "f4", zarr_format=zarr_format).close()
+    if zarr_format == 3:  # a sharded array: its inner chunks and its shards are both the caller's to match
+        sharded = str(tmp_path / "s.zarr")
+        zarr.create_array(sharded, shape=SHAPE, chunks=(4, 8, 8), shards=(8, 16, 16), dtype="f4")
+        with pytest.raises(stoker.InvalidArgument, match=r"shards \(8, 16, 16\), not \(4, 16, 16\)"):
+            stoker.TileWriter(sharded, SHAPE, (4, 8, 8), "f4", shards=(4, 16, 16))
+        stoker.TileWriter(sharded, SHAPE, (4, 8, 8), "f4", shards=(8, 16, 16)).close()
+
+
 def test_a_group_at_the_uri_is_an_invalid_argument(volume, tmp_path):
     """TileWriter over an OME-Zarr image's root (a group: the user meant a label array inside it) raised
     zarr-python's NodeTypeValidationError, none of stoker's errors; an InvalidArgument naming the URI now, and

@@ -15,6 +15,7 @@ import zarr
 from zarr.codecs import BloscCodec, ZstdCodec
 
 import stoker
+from stoker.reader import coords
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -252,3 +253,34 @@ def test_channels_whose_dimension_names_cannot_be_read_are_read_as_before(tmp_pa
         uris.append(str(tmp_path / f"{name}.zarr"))
     (got,), _ = _batches([stoker.Sample(uris, [(0, 8), (0, 8)])], cf=False)
     np.testing.assert_array_equal(got[0].numpy(), np.stack([a, a]))
+
+
+
+def test_a_malformed_dimension_attribute_is_requested_once(tmp_path):
+    """A remote v2 array whose ``_ARRAY_DIMENSIONS`` is malformed, read as a channel in two groups: its
+    ``.zattrs`` was requested again at each look (the failed read was not kept: here once per group's
+    dimension check, and once more for any other reader of its names), the same bytes and the same error
+    each time. The first read's error is kept with the reader now: one request, the same MetadataError."""
+    from range_server import RangeServer
+
+    a = np.arange(64, dtype="f4").reshape(8, 8)
+    for name, attrs in (("a", {"_ARRAY_DIMENSIONS": ["y"]}), ("b", {"_ARRAY_DIMENSIONS": ["y", "x"]}),
+                        ("c", {"_ARRAY_DIMENSIONS": ["y", "x"]})):
+        zarr.create_array(str(tmp_path / f"{name}.zarr"), shape=(8, 8), chunks=(4, 4), dtype="f4", zarr_format=2,
+                          attributes=attrs)[:] = a
+    server = RangeServer(str(tmp_path))
+    try:
+        uri = {n: f"{server.url}/{n}.zarr" for n in "abc"}
+        box = [(0, 8), (0, 8)]
+        got, _ = _batches([stoker.Sample([uri["a"], uri["b"]], box), stoker.Sample([uri["a"], uri["c"]], box)],
+                          cf=False, batch_size=1)
+        for batch in got:
+            np.testing.assert_array_equal(batch[0].numpy(), np.stack([a, a]))
+        assert server.paths.count("/a.zarr/.zattrs") == 1, server.paths
+        reader = stoker.open_array(uri["a"])
+        for _ in range(2):
+            with pytest.raises(stoker.MetadataError, match=r"dimension names \['y'\] are not 2 names"):
+                coords.dimension_names(reader)
+        assert server.paths.count("/a.zarr/.zattrs") == 2, server.paths  # the new reader's one
+    finally:
+        server.shutdown()

@@ -108,6 +108,27 @@ def test_coordinates_over_http_and_in_a_zip(tmp_path):
     np.testing.assert_array_equal(coords.coordinates(arr)["lat"], ref.lat.values)
 
 
+def test_a_remote_v2_arrays_zarray_is_requested_once(tmp_path):
+    """An xarray-written v2 array (it names its dimensions) over HTTP, unconsolidated: its stored fill value,
+    xarray's _FillValue, was read from a second request for ``.zarray``, the document its metadata had just
+    been parsed from. The parsed document is kept with the metadata now: one ``.zarray`` request, and the
+    same CF coding and fill as xarray's (and as the v2 array read from disk)."""
+    from range_server import RangeServer
+
+    root = tmp_path / "srv"
+    weather().to_zarr(str(root / "w.zarr"), zarr_format=2, consolidated=False)
+    ref = xr.open_zarr(str(root / "w.zarr"), consolidated=False)
+    server = RangeServer(str(root))
+    try:
+        arr = stoker.open_array(f"{server.url}/w.zarr/p")
+        assert coords.coding(arr) == coords.coding(stoker.open_array(str(root / "w.zarr" / "p")))
+        assert coords.coding(arr) == cf.CFCoding(0.01, 50.0, (-32767.0,))
+        assert coords.dimension_names(arr) == ref.p.dims
+        assert server.paths.count("/w.zarr/p/.zarray") == 1, server.paths
+    finally:
+        server.shutdown()
+
+
 def test_a_plain_zarr_array_has_no_coding_and_no_dimensions(tmp_path):
     """zarr-python's fill value of an array xarray did not write is no missing-value marker (xarray takes the
     v2 fill_value for _FillValue only in what it wrote)."""

@@ -268,6 +268,10 @@ static void decode_zstd(chunk_io *job, int fd, size_t size, long long t0, char *
 
 #define BLOSC_HEADER 16
 #define BLOSC_MEMCPYED 0x2
+/* c-blosc 1's largest chunk (BLOSC_MAX_BUFFERSIZE: INT_MAX less its 16-byte overhead). blosc_getitem takes
+ * its first item and count as int and both blosc calls read the header's sizes as int32 and return an int:
+ * a header stating more is refused before any call, so no size, item or result is narrowed past INT_MAX. */
+#define BLOSC_MAX_NBYTES ((uint32_t)INT_MAX - BLOSC_HEADER)
 
 static int cmp_u32(const void *a, const void *b) {
     uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
@@ -324,7 +328,8 @@ static int blosc_stored_range(const unsigned char *table, uint32_t nblocks, uint
 
 /* Read a blosc1 chunk file and decode either the blocks holding the job's span (when they are
  * at most partial_max_share of the chunk, the rule of stoker/zarr/codecs/blosc.py) or the whole frame. Frames
- * whose header disagrees with the chunk or the file get ST_FRAME: the Python path reports them. */
+ * whose header disagrees with the chunk or the file, or states more than blosc1 holds (BLOSC_MAX_NBYTES), get
+ * ST_FRAME: the Python path reports them. */
 static void decode_blosc(chunk_io *job, int fd, size_t size, long long t0, char *scratch, const char *src,
                          size_t nbytes) {
     const unsigned char *h = (const unsigned char *)src;
@@ -342,7 +347,8 @@ static void decode_blosc(chunk_io *job, int fd, size_t size, long long t0, char 
     uint32_t flags = h[2], fr_nbytes = le32(h + 4), cbytes = le32(h + 12);
     typesize = h[3];
     blocksize = le32(h + 8);
-    if (h[0] == 0 || h[0] > 4 || typesize == 0 || blocksize == 0 || fr_nbytes != nbytes || cbytes != size)
+    if (h[0] == 0 || h[0] > 4 || typesize == 0 || blocksize == 0 || fr_nbytes != nbytes || cbytes != size ||
+        fr_nbytes > BLOSC_MAX_NBYTES || cbytes > (uint32_t)INT_MAX)
         goto read_done;
     job->status = ST_OK;
     if (maybe_partial && !(flags & BLOSC_MEMCPYED) && nbytes % typesize == 0) {
@@ -390,7 +396,8 @@ read_done:
             for (int b = 0; b < 4; b++)
                 stated[b] = (unsigned char)(hi >> (8 * b));
         }
-        /* whole items around the span; blosc decodes the blocks that hold them */
+        /* whole items around the span; blosc decodes the blocks that hold them. Both fit an int: the span is
+         * inside the chunk, whose size the header check bounded by BLOSC_MAX_NBYTES. */
         long long first_item = job->span_start / typesize;
         long long last_item = (job->span_stop + typesize - 1) / typesize;
         int got = blosc_getitem(src, (int)first_item, (int)(last_item - first_item),

@@ -63,8 +63,32 @@ int int64_buffers(PyObject *const *objs, Py_buffer *b, int n, const char *who) {
     return 0;
 }
 
+/* Whether no two of b's elements (8 bytes each; 1 or 2 axes) share a byte: axes of more than one element, the
+ * finer stride first, each step at least what the finer axis spans. Then the buffer's logical size (b.len)
+ * is memory it holds. A zero stride (np.broadcast_to) or overlapping rows (sliding_window_view) fail: there a
+ * few bytes can claim any size, and a copy by the logical size would allocate and write it all. */
+static int apart(const Py_buffer *b) {
+    long long step[2], count[2];
+    int k = 0;
+    for (int i = 0; i < b->ndim; i++) {
+        if (b->shape[i] > 1) {
+            step[k] = b->strides[i] < 0 ? -(long long)b->strides[i] : (long long)b->strides[i];
+            count[k++] = b->shape[i];
+        }
+    }
+    if (k == 2 && step[0] > step[1]) {
+        long long t = step[0];
+        step[0] = step[1], step[1] = t;
+        t = count[0];
+        count[0] = count[1], count[1] = t;
+    }
+    /* step[1] >= step[0] * count[0], divided: the product may pass long long (floor division keeps it exact) */
+    return (k < 1 || step[0] >= 8) && (k < 2 || step[1] / count[0] >= step[0]);
+}
+
 /* obj's 8-byte integers, a 1-d buffer (cols 0) or an n x cols one, with any strides (numpy's column views of
- * a table), copied in C order into *out (free it); *n its rows. 0, or -1 with an exception set. */
+ * a table) whose elements do not share memory (apart), copied in C order into *out (free it); *n its rows.
+ * 0, or -1 with an exception set. */
 int int64_matrix(PyObject *obj, long long cols, long long *n, int64_t **out, const char *what) {
     Py_buffer b;
     if (PyObject_GetBuffer(obj, &b, PyBUF_STRIDED_RO | PyBUF_FORMAT) != 0)
@@ -77,8 +101,15 @@ int int64_matrix(PyObject *obj, long long cols, long long *n, int64_t **out, con
             PyErr_Format(PyExc_ValueError, "%s must be rows of %lld int64", what, cols);
         return -1;
     }
+    if (!apart(&b)) {
+        PyBuffer_Release(&b);
+        PyErr_Format(PyExc_ValueError, "%s repeats values in memory (a zero stride, as np.broadcast_to makes, or "
+                     "rows that overlap): pass np.ascontiguousarray(...) of it", what);
+        return -1;
+    }
     long long rows = b.shape[0], w = cols ? cols : 1;
-    int64_t *o = malloc(sizeof(int64_t) * (size_t)(rows * w + 1)); /* rows * w * 8 == b.len: bounded */
+    /* rows * w * 8 == b.len, bytes the buffer holds (apart): bounded by the caller's memory */
+    int64_t *o = malloc(sizeof(int64_t) * (size_t)(rows * w + 1));
     if (o == NULL) {
         PyBuffer_Release(&b);
         PyErr_NoMemory();

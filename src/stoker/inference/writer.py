@@ -474,7 +474,8 @@ class TileWriter:
     """Blends tile predictions into the Zarr array at ``uri`` (see the module docstring).
 
     ``shape``, ``chunks``, ``dtype`` (and ``shards``, ``zarr_format``, ``fill_value``) make the array when it
-    does not exist; an existing one must have that shape and dtype. ``shape`` is the volume's
+    does not exist; an existing one must have that shape, dtype and chunks (and those shards, where ``shards``
+    is given), or is refused (InvalidArgument naming its own). ``shape`` is the volume's
     (``(Z, Y, X)``) or with channels first (``(C, Z, Y, X)``, for ``(B, C, *tile)`` predictions).
     ``crop``: the margin dropped from every side of a prediction that is not on the array's border (an
     int, or one per spatial axis); from every side of a padded tile (``TileGrid(pad=...)``), what is left
@@ -547,10 +548,8 @@ class TileWriter:
         barrier(group)  # the array exists before the other ranks open it
         if self.rank != 0:
             arr = _open_output(store, self.uri)
-        if tuple(arr.shape) != self.shape or arr.dtype != np.dtype(dtype):
-            raise InvalidArgument(f"{self.uri}: the array there has shape {arr.shape} and dtype {arr.dtype}, not "
-                                  f"{self.shape} and {np.dtype(dtype)}; write to another URI or remove it",
-                                  uri=self.uri)
+        _check_existing(self.uri, arr, self.shape, np.dtype(dtype), tuple(int(c) for c in chunks),
+                        None if shards is None else tuple(int(s) for s in shards))
         self.array = arr
         self.dtype = arr.dtype
         # voxels no tile reached keep the fill value (zero without one)
@@ -910,6 +909,24 @@ def _check_rank(uri: str, shape: tuple[int, ...], ndim: int) -> None:
     if len(shape) not in (ndim, ndim + 1):
         raise InvalidArgument(f"{uri}: shape {shape} is neither the {ndim}-d volume of the tiles nor it with a "
                               "channel axis first", uri=uri)
+
+
+def _check_existing(uri: str, arr: Any, shape: tuple[int, ...], dtype: np.dtype, chunks: tuple[int, ...],
+                    shards: tuple[int, ...] | None) -> None:
+    """InvalidArgument naming each setting where the array at ``uri`` (existing, or just made) is not what the
+    caller asked for: its shape and dtype, its chunks, and its shards where ``shards`` is given (None asks for
+    none in particular). An existing array is never remade, so a writer that took its chunks silently would
+    write other regions (other write units, other completion marks) than the caller chose."""
+    have = {"shape": tuple(arr.shape), "dtype": arr.dtype, "chunks": tuple(arr.chunks)}
+    want: dict[str, Any] = {"shape": shape, "dtype": dtype, "chunks": chunks}
+    if shards is not None:
+        have["shards"], want["shards"] = (None if arr.shards is None else tuple(arr.shards)), shards
+    wrong = [k for k in want if have[k] != want[k]]
+    if wrong:
+        has = ", ".join(f"{k} {have[k]}, not {want[k]}" for k in wrong)
+        own = ", ".join(f"{k}={have[k]!r}" if k != "dtype" else f"dtype={str(have[k])!r}" for k in wrong)
+        raise InvalidArgument(f"{uri}: the array there has {has}; an existing array is written as it is: pass its "
+                              f"own ({own}) to write into it, or write to another URI or remove it", uri=uri)
 
 
 def _open_output(store: Any, uri: str) -> Any:

@@ -273,7 +273,8 @@ def read_store_metadata(hierarchy: Hierarchy, prefix: str, uri: str) -> ArrayMet
             metacache.share_parse("zarr.json", raw, None, meta)
             return meta
         zarray = parse_json(raw, uri, ".zarray")
-        return parse_v2(zarray, uri, separator=_store_separator(hierarchy, prefix, zarray, uri))
+        meta = parse_v2(zarray, uri, separator=_store_separator(hierarchy, prefix, zarray, uri))
+        return with_document(meta, zarray)  # its stored fill value: a request spared (reader.coords)
     if hierarchy.exists(join(".zgroup")):
         raise _v2_group(uri)
     raise _no_array(uri)

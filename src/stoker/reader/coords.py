@@ -31,9 +31,10 @@ from ..zarr.metadata import parse_json
 from .array import MAX_METADATA_BYTES, ArrayReader, open_array
 
 # What is read once per reader is kept on it (ArrayReader.derived, the one memo a reader has: gone with it), by
-# key: "documents" (attributes, v2 stored fill value, dimension names), "cf" (coding), ("coordinate", name) (a
-# dimension's labels, None where it has none) and "coordinates" (all of them). Two threads working one out at
-# once both read it and keep the same (equal) answer: a dict's item set is atomic, no lock needed.
+# key: "documents" (attributes, v2 stored fill value, dimension names; or the MetadataError reading them), "cf"
+# (coding), ("coordinate", name) (a dimension's labels, None where it has none) and "coordinates" (all of them).
+# Two threads working one out at once both read it and keep the same (equal) answer: a dict's item set is
+# atomic, no lock needed.
 _MISSING = object()
 
 
@@ -72,14 +73,29 @@ def _documents_of(reader: ArrayReader, stores: Stores | None = None,
                   options: dict | None = None) -> tuple[dict, Any, tuple | None]:
     """``(attributes, v2 stored fill value, dimension names)`` of ``reader``'s array, read once: from the
     consolidated metadata of ``stores`` (those it was opened in, with its ``options``) where its group has
-    it, else its own documents."""
+    it, else its own documents. A MetadataError (the documents hold what no read changes) is kept as the answer
+    too and raised again, so a remote array's malformed ``_ARRAY_DIMENSIONS`` costs one request however many
+    ask (the CF reader, each group's channel-order check); a StorageError is not kept: the next asker retries."""
     got = reader.derived.get("documents")
+    if isinstance(got, MetadataError):
+        raise got
     if got is not None:
         return got
+    try:
+        got = _read_documents(reader, stores, options)
+    except MetadataError as exc:
+        reader.derived["documents"] = exc
+        raise
+    reader.derived["documents"] = got
+    return got
+
+
+def _read_documents(reader: ArrayReader, stores: Stores | None, options: dict | None) -> tuple[dict, Any, tuple | None]:
+    """:func:`_documents_of`'s reading and checking, none of it kept."""
     uri = reader.uri
     known = _consolidated(reader, stores, options) or {}
-    if not known and reader.metadata.document is not None:  # the zarr.json its metadata was read from
-        known = {"zarr.json": reader.metadata.document}
+    if not known and reader.metadata.document is not None:  # the zarr.json or .zarray its metadata was read from
+        known = {"zarr.json" if reader.zarr_format == 3 else ".zarray": reader.metadata.document}
     read = (lambda name: known[name] if name in known else _read(reader, name))
     if reader.zarr_format == 3:
         doc = read("zarr.json") or {}
@@ -98,8 +114,7 @@ def _documents_of(reader: ArrayReader, stores: Stores | None = None,
             raise MetadataError(f"{uri}: dimension names {show(dims)} are not {reader.ndim} names (strings or "
                                 "null), one per axis", uri=uri)
         names = tuple(dims)
-    got = reader.derived["documents"] = (attrs, fill, names)
-    return got
+    return attrs, fill, names
 
 
 def attributes(reader: ArrayReader, stores: Stores | None = None, options: dict | None = None) -> dict:
@@ -123,7 +138,7 @@ def check_channel_dimensions(readers: Sequence[ArrayReader], stores: Stores | No
     arrays were opened with. An array whose names cannot be read (malformed ``_ARRAY_DIMENSIONS``, a store
     that fails the request) is left out: the check is advisory, and such an array was read before it. With
     ``Config(cf=True)`` (the default) the names were read with the arrays' CF attributes when opened; else a
-    v2 array's ``.zattrs`` is read here, once per group of channels and pipeline."""
+    v2 array's ``.zattrs`` is read here, once per array and pipeline (a malformed one too: its error is kept)."""
     first: tuple | None = None
     for r in readers:
         try:

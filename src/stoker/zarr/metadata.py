@@ -44,7 +44,8 @@ class ArrayMetadata:
     codec: ChunkCodec  # decodes one read chunk
     sharding: ShardingSpec | None = None
     #: the v3 ``zarr.json`` it was parsed from, kept by the read (of a local file or a store's: its attributes
-    #: and dimension names are then read from it, not again: stoker.reader.coords); read-only, never compared
+    #: and dimension names are then read from it, not again: stoker.reader.coords), or a store's v2 ``.zarray``
+    #: (its stored fill value, likewise); read-only, never compared
     document: dict | None = field(default=None, compare=False, repr=False)
 
     @property
@@ -96,8 +97,8 @@ def _renamed_spec(spec: ShardingSpec, uri: str) -> ShardingSpec:
 
 
 def with_document(meta: ArrayMetadata, doc: dict) -> ArrayMetadata:
-    """``meta`` (parsed from ``doc``, a v3 ``zarr.json``) keeping ``doc`` for what else it says (attributes,
-    dimension names), so nothing requests the document again."""
+    """``meta`` (parsed from ``doc``, a v3 ``zarr.json`` or a v2 ``.zarray``) keeping ``doc`` for what else it
+    says (attributes and dimension names; v2's stored fill value), so nothing requests the document again."""
     return _with(meta, document=doc)
 
 
