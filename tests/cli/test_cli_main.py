@@ -124,6 +124,20 @@ def test_bench_sizes_take_the_same_suffixes():
     assert build_parser().parse_args(["bench", "--host-buffer-bytes", "1048576"]).host_buffer_bytes == 1 << 20
 
 
+def test_bench_host_buffer_bytes_below_what_config_takes_is_a_usage_error(capsys):
+    """--host-buffer-bytes 1K passed the parser ('a size in bytes of at least 1'), printed the bench's header and
+    then stopped on 'Config.host_buffer_bytes must be an integer >= 1048576, got 1024', a knob the command line
+    does not have; the flag now says its own least value, as a usage error before any work."""
+    from stoker.cli import build_parser
+
+    with pytest.raises(SystemExit) as stopped:
+        build_parser().parse_args(["bench", "--host-buffer-bytes", "1023K"])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert "--host-buffer-bytes" in err and "at least 1M" in err and "'1023K'" in err, err
+    assert build_parser().parse_args(["bench", "--host-buffer-bytes", "1M"]).host_buffer_bytes == 1 << 20
+
+
 @pytest.mark.parametrize("value", ["0", "off", "false", "no"])
 def test_doctor_says_the_compiled_reader_was_turned_off_however_it_was(value):
     """STOKER_NATIVE=off turns the compiled reader off as STOKER_NATIVE=0 does (native._disabled), but
