@@ -177,3 +177,33 @@ def test_bench_records_refuses_the_crops_suites_options(tmp_path, capsys, extra,
     err = capsys.readouterr().err
     assert flag in err and "stoker bench records takes" in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "data").exists()
+
+
+_FULL_DISK = r"""
+import resource, signal, sys
+from stoker.cli import main
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead of killing
+resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 10, 16 << 10))  # no file may grow past 16 KiB: a full disk
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("suite,options", [([], ["--scenarios", "1", "--peers", "stoker"]), (["records"], [])])
+def test_bench_datasets_the_disk_does_not_take_are_a_storage_error(tmp_path, suite, options):
+    """stoker bench writing its datasets onto a full disk stopped with an OSError traceback (EFBIG, ENOSPC)
+    from zarr's writer; it is a StorageError naming the dataset's folder, the cause and --data, on one line,
+    with nothing half-written left behind."""
+    data = tmp_path / "bench-data"
+    out = subprocess.run([sys.executable, "-c", _FULL_DISK, "bench", *suite, "--tiny", *options,
+                          "--batches", "1", "--data", str(data)], capture_output=True, text=True, timeout=100,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    (err,) = [line for line in out.stderr.splitlines() if line.startswith("stoker bench: cannot write")] or [
+        out.stderr[-3000:]]
+    assert f"{data}" in err and "File too large" in err, err
+    assert "--data" in err and "is full" in err, err
+    left = [p.name for p in data.iterdir() if not p.name.startswith(".")]
+    assert left == [], (left, out.stderr[-3000:])  # no dataset, no temporary left
