@@ -124,6 +124,20 @@ def test_bench_sizes_take_the_same_suffixes():
     assert build_parser().parse_args(["bench", "--host-buffer-bytes", "1048576"]).host_buffer_bytes == 1 << 20
 
 
+def test_bench_host_buffer_bytes_below_what_config_takes_is_a_usage_error(capsys):
+    """--host-buffer-bytes 1K passed the parser ('a size in bytes of at least 1'), printed the bench's header and
+    then stopped on 'Config.host_buffer_bytes must be an integer >= 1048576, got 1024', a knob the command line
+    does not have; the flag now says its own least value, as a usage error before any work."""
+    from stoker.cli import build_parser
+
+    with pytest.raises(SystemExit) as stopped:
+        build_parser().parse_args(["bench", "--host-buffer-bytes", "1023K"])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert "--host-buffer-bytes" in err and "at least 1M" in err and "'1023K'" in err, err
+    assert build_parser().parse_args(["bench", "--host-buffer-bytes", "1M"]).host_buffer_bytes == 1 << 20
+
+
 @pytest.mark.parametrize("value", ["0", "off", "false", "no"])
 def test_doctor_says_the_compiled_reader_was_turned_off_however_it_was(value):
     """STOKER_NATIVE=off turns the compiled reader off as STOKER_NATIVE=0 does (native._disabled), but
@@ -163,3 +177,33 @@ def test_bench_records_refuses_the_crops_suites_options(tmp_path, capsys, extra,
     err = capsys.readouterr().err
     assert flag in err and "stoker bench records takes" in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "data").exists()
+
+
+_FULL_DISK = r"""
+import resource, signal, sys
+from stoker.cli import main
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead of killing
+resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 10, 16 << 10))  # no file may grow past 16 KiB: a full disk
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("suite,options", [([], ["--scenarios", "1", "--peers", "stoker"]), (["records"], [])])
+def test_bench_datasets_the_disk_does_not_take_are_a_storage_error(tmp_path, suite, options):
+    """stoker bench writing its datasets onto a full disk stopped with an OSError traceback (EFBIG, ENOSPC)
+    from zarr's writer; it is a StorageError naming the dataset's folder, the cause and --data, on one line,
+    with nothing half-written left behind."""
+    data = tmp_path / "bench-data"
+    out = subprocess.run([sys.executable, "-c", _FULL_DISK, "bench", *suite, "--tiny", *options,
+                          "--batches", "1", "--data", str(data)], capture_output=True, text=True, timeout=100,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    (err,) = [line for line in out.stderr.splitlines() if line.startswith("stoker bench: cannot write")] or [
+        out.stderr[-3000:]]
+    assert f"{data}" in err and "File too large" in err, err
+    assert "--data" in err and "is full" in err, err
+    left = [p.name for p in data.iterdir() if not p.name.startswith(".")]
+    assert left == [], (left, out.stderr[-3000:])  # no dataset, no temporary left

@@ -76,6 +76,18 @@ def test_demo_trains_checkpoints_and_resumes_when_run_again(cache, tmp_path):
     assert "nothing to do: already at step 6" in done
 
 
+@pytest.mark.timeout(300)
+def test_summary_of_a_run_shorter_than_log_every_names_no_missing_files(cache, tmp_path):
+    """A run that ends before its first telemetry record (2 steps, one record every 5) writes no telemetry file:
+    the summary says so, rather than naming a telemetry.jsonl that is not there and telling to install
+    matplotlib for its picture (it once did both, with matplotlib installed)."""
+    run = tmp_path / "short"
+    out = _demo(cache, run, "--steps", "2", "--log-every", "5")
+    assert not (run / "telemetry.jsonl").exists()
+    assert str(run / "telemetry.jsonl") not in out and "pip install 'stoker[plot]'" not in out
+    assert re.search(r"telemetry\s+none: .*--log-every 5", out), out
+
+
 @pytest.mark.timeout(400)
 def test_killed_run_resumes_with_the_losses_of_an_uninterrupted_run(cache, tmp_path):
     total = 10

@@ -212,3 +212,23 @@ def test_a_sample_shape_of_another_rank_says_so(tmp_path, capsys):
     assert "--sample-shape (4, 12) has 2 axes but the array (shape (120, 12, 20)) has 3" in capsys.readouterr().err
     assert main(["inspect", str(tmp_path / "v.zarr"), "--sample-shape", "4", "13", "20"]) == 2
     assert "does not fit in shape (120, 12, 20)" in capsys.readouterr().err
+
+
+def test_chunk_advice_keeps_axes_the_crop_spans_whole(tmp_path):
+    """A crop that spans an axis whole always starts at 0 on it and straddles no chunk boundary there: one chunk
+    across that axis costs no decode waste, while halving it only multiplies the chunks each crop touches. The
+    suggestion keeps such axes whole (it once halved them too: (2, 6, 10) against crops of (4, 12, 20) of a
+    (64, 12, 20) array, 10 chunks a crop where (2, 12, 20) gives 2.5 at the same amplification)."""
+    import re
+
+    zarr.create_array(str(tmp_path / "a.zarr"), shape=(64, 12, 20), chunks=(64, 12, 20), dtype="uint16")
+    est = estimate(stoker.open_array(tmp_path / "a.zarr").metadata, (4, 12, 20), n=2000, seed=0)
+    assert est.decode_full == pytest.approx(16.0)
+    (advice,) = [a for a in est.advice if "Chunks of about" in a]
+    suggested = tuple(int(v) for v in re.search(r"Chunks of about \(([\d, ]+)\)", advice).group(1).split(","))
+    assert "straddle" not in advice or "axes [0]" in advice  # axes 1 and 2 straddle nothing
+    # the suggestion, tried: within the advice's own 4x bound, with one chunk across each whole axis
+    zarr.create_array(str(tmp_path / "b.zarr"), shape=(64, 12, 20), chunks=suggested, dtype="uint16")
+    tried = estimate(stoker.open_array(tmp_path / "b.zarr").metadata, (4, 12, 20), n=2000, seed=0)
+    assert tried.decode_full <= 4
+    assert suggested[1:] == (12, 20) and tried.chunks_per_crop == pytest.approx(2.5, rel=0.05)

@@ -7,6 +7,7 @@ compressible data like real measurements (:mod:`.synthetic`: ``"microscopy"``, `
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import StokerError, StorageError
 from ..storage.fsutil import write_once
 
 MARKER = ".complete"
@@ -95,6 +97,26 @@ def _is_complete(base: Path, spec: VolumeSpec) -> bool:
         return False
 
 
+def write_dataset(base: Path, build, is_complete, wait_s: float | None = None) -> None:
+    """:func:`~stoker.storage.fsutil.write_once` for a benchmark dataset: a file system that does not take it
+    (a full disk, a quota, a folder that cannot be written) is a :class:`~stoker.errors.StorageError` naming
+    the folder, the cause and ``--data``, which the CLI prints on one line, not an ``OSError`` traceback from
+    deep in zarr's writer. (``write_once`` leaves nothing half-written behind either way.)"""
+    try:
+        write_once(base, build, is_complete=is_complete, wait_s=wait_s)
+    except OSError as exc:
+        if isinstance(exc, StokerError):  # already says what and where (a claim that timed out, ...)
+            raise
+        full = exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+        why = ("the disk (or a quota, or a file size limit) is full" if full
+               else "the folder cannot be written" if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS)
+               else "the file system refused it")
+        fix = ("free room there, or give stoker bench --data a folder with room" if full else
+               "give stoker bench --data a folder it can write")
+        raise StorageError(f"cannot write the benchmark dataset {base}: {why} ({type(exc).__name__}: {exc}); {fix}",
+                           uri=str(base), errno=exc.errno) from exc
+
+
 def ensure(root: Path, spec: VolumeSpec, progress: bool = True, wait_s: float | None = None) -> list[str]:
     """Write the dataset unless a complete copy exists; returns the array paths.
 
@@ -102,8 +124,8 @@ def ensure(root: Path, spec: VolumeSpec, progress: bool = True, wait_s: float | 
     (at most ``wait_s``) and reuse it.
     """
     base = Path(root) / spec.name
-    write_once(base, lambda tmp: _write(tmp, spec, progress), is_complete=lambda p: _is_complete(p, spec),
-               wait_s=wait_s)
+    write_dataset(base, lambda tmp: _write(tmp, spec, progress), is_complete=lambda p: _is_complete(p, spec),
+                  wait_s=wait_s)
     return array_paths(Path(root), spec)
 
 

@@ -36,8 +36,7 @@ from ..sampling.field import Field
 from ..sampling.mask import Mask
 from ..sampling.sample import Sample
 from ..sampling.samplers import RandomCrops, SampleList, SampleSource
-from ..storage.fsutil import write_once
-from .datasets import VolumeSpec, ensure, warm_page_cache
+from .datasets import VolumeSpec, ensure, warm_page_cache, write_dataset
 from .runner import Result, RssSampler, cpu_breakdown, interleaved, split_batches
 
 LOOKAHEAD = 3
@@ -82,7 +81,7 @@ def segmentation_data(root: Path, sc: FieldsScenario) -> dict[str, str]:
                                   "uint16", "zstd", shards=(64, 128, 128) if sc.shape[0] <= 64 else (128, 256, 256),
                                   content="microscopy"))[0]
     base = Path(root) / f"s{sc.number}-labels-v2-{'x'.join(map(str, sc.shape))}"
-    write_once(base, lambda tmp: _write_labels(tmp, sc.shape), is_complete=lambda p: (p / ".complete").exists())
+    write_dataset(base, lambda tmp: _write_labels(tmp, sc.shape), is_complete=lambda p: (p / ".complete").exists())
     return {"raw": raw, "labels": str(base / "labels.zarr"), "mask": str(base / "mask.zarr")}
 
 
@@ -117,7 +116,7 @@ VARIABLES = ("t2m", "u10", "v10", "msl")
 def forecasting_data(root: Path, sc: FieldsScenario) -> str:
     """Scenario 12's dataset, written once by xarray (chunks of one time step); the store's path."""
     base = Path(root) / f"s{sc.number}-weather-{'x'.join(map(str, sc.shape))}"
-    write_once(base, lambda tmp: _write_weather(tmp, sc.shape), is_complete=lambda p: (p / ".complete").exists())
+    write_dataset(base, lambda tmp: _write_weather(tmp, sc.shape), is_complete=lambda p: (p / ".complete").exists())
     return str(base / "weather.zarr")
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..storage.fsutil import write_once
+from .datasets import write_dataset
 from .records import steady_rate, zarr_python_peer
 
 SPEC = {"mesh_pos": ("T", "N", 3), "thickness": ("N",), "edges": (2, "E"), "params": (4,)}
@@ -52,7 +52,7 @@ def ensure_meshes(root: Path, n: int, nodes: tuple[int, int], steps: int, progre
             g.create_array("params", data=rng.random(4).astype(np.float32))
         (tmp / ".complete").write_text(json.dumps(marker))  # last
 
-    write_once(base, write, is_complete=complete)
+    write_dataset(base, write, is_complete=complete)
     return base
 
 

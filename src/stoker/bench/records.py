@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..storage.fsutil import write_once
+from .datasets import write_dataset
+
 
 
 def _records_complete(base: Path, n: int) -> bool:
@@ -35,7 +36,7 @@ def _records_complete(base: Path, n: int) -> bool:
 def ensure_records(root: Path, n: int, progress: bool = True) -> Path:
     """A directory of ``n`` record groups (reused when complete; one writer among processes racing for it)."""
     base = root / f"records-{n}"
-    write_once(base, lambda tmp: _write_records(tmp, n, progress), is_complete=lambda p: _records_complete(p, n))
+    write_dataset(base, lambda tmp: _write_records(tmp, n, progress), is_complete=lambda p: _records_complete(p, n))
     return base
 
 

@@ -46,6 +46,25 @@ def byte_size(text: str) -> int:
     return value
 
 
+def byte_size_at_least(least: int, named: str) -> Callable[[str], int]:
+    """An argparse ``type`` as :func:`byte_size`, taking ``least`` bytes or more (``named``: how the error
+    writes it, e.g. ``"1M"``): a flag that becomes a :class:`~stoker.Config` knob with a floor says so at
+    parse time, naming the flag, not the knob the command line does not have.
+
+    >>> byte_size_at_least(1 << 20, "1M")("2M")
+    2097152
+    """
+
+    def parse(text: str) -> int:
+        value = byte_size(text)
+        if value < least:
+            raise argparse.ArgumentTypeError(f"takes a size in bytes of at least {named} ({least:,} bytes), e.g. "
+                                             f"64M; got {text!r}")
+        return value
+
+    return parse
+
+
 def storage_option(text: str) -> tuple[str, str]:
     """An argparse ``type`` for ``--storage-option KEY=VALUE``: ``(key, value)``. The error never repeats
     the text (it may be a secret given without its key)."""

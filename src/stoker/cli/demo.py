@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
 
         if result.telemetry is not None and result.telemetry.is_file() and plots.available():
             picture = plots.plot_telemetry(result.telemetry, run_dir / "telemetry.png")
-        print(format_summary(title, result, devices, picture))
+        print(format_summary(title, result, devices, picture, log_every=args.log_every))
     return 0
 
 

@@ -112,9 +112,11 @@ def _mib(n: int | float) -> str:
     return f"{n / 2**20:,.0f} MiB"
 
 
-def format_summary(title: str, r: FitResult, devices: str, picture: Path | None = None) -> str:
+def format_summary(title: str, r: FitResult, devices: str, picture: Path | None = None,
+                   log_every: int | None = None) -> str:
     """The closing report: throughput, where time went, amplification, memory, and where files are
-    (``picture``: the telemetry plot written, if any)."""
+    (``picture``: the telemetry plot written, if any; ``log_every``: the steps between telemetry records, named
+    when the run ended before its first one and so wrote no telemetry file)."""
     lines = [f"{title} on {devices}"]
     if r.resumed_from is not None:
         lines.append(f"  resumed      from {r.resumed_from}")
@@ -149,7 +151,12 @@ def format_summary(title: str, r: FitResult, devices: str, picture: Path | None 
     lines.append(mem)
     if r.checkpoint is not None:
         lines.append(f"  checkpoint   {r.checkpoint} (run again to continue from it)")
-    if r.telemetry is not None:
+    if r.telemetry is not None and not r.telemetry.is_file():
+        # the Trainer records every log_every steps only: a shorter run (and no earlier one) wrote nothing, so
+        # there is neither a file to name nor a picture to draw
+        every = f" (one every {log_every} steps, --log-every {log_every})" if log_every else ""
+        lines.append(f"  telemetry    none: the run ended before its first record{every}")
+    elif r.telemetry is not None:
         board = f" (tensorboard --logdir {r.telemetry.parent})" if importlib.util.find_spec("tensorboard") else ""
         lines.append(f"  telemetry    {r.telemetry}{board}")
         if picture is not None:

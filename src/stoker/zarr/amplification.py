@@ -68,18 +68,25 @@ def estimate(meta: ArrayMetadata, sample_shape: Sequence[int], n: int = 512, see
     partial = decoded_partial / (n * crop_bytes) if blocksize else None
     paid = partial if partial is not None else full
     read = paid / compression_ratio if compression_ratio else None
-    return Estimate(shape, per_crop, full, partial, read, tuple(_advice(chunk, shape, per_crop, paid)))
+    return Estimate(shape, per_crop, full, partial, read,
+                    tuple(_advice(chunk, shape, tuple(meta.shape), per_crop, paid)))
 
 
-def _advice(chunk: Sequence[int], crop: Sequence[int], per_crop: float, paid: float) -> list[str]:
+def _advice(chunk: Sequence[int], crop: Sequence[int], array: Sequence[int], per_crop: float,
+            paid: float) -> list[str]:
     out = []
     if paid > 4:
-        # A random crop straddles chunk boundaries on every axis; chunks about half the crop keep the
-        # decoded margin around it small without multiplying the number of chunks too much.
-        suggestion = tuple(max(c // 2, 1) for c in crop)
+        # A random crop straddles chunk boundaries on every axis it does not span whole; chunks about half
+        # the crop there keep the decoded margin around it small without multiplying the number of chunks
+        # too much. On an axis the crop spans whole it always starts at 0 and straddles nothing: one chunk
+        # across the axis wastes nothing, where halving it would only double the chunks each crop touches.
+        whole = [i for i, (c, n) in enumerate(zip(crop, array)) if c == n]
+        suggestion = tuple(n if i in whole else max(c // 2, 1) for i, (c, n) in enumerate(zip(crop, array)))
         big = [i for i, (k, c) in enumerate(zip(chunk, crop)) if k > c]
+        straddled = [i for i in range(len(crop)) if i not in whole]
         why = (f"chunks are larger than the crop on axes {big}" if big else
-               "crops straddle chunk boundaries on every axis")
+               "crops straddle chunk boundaries on every axis" if not whole else
+               f"crops straddle chunk boundaries on axes {straddled}")
         out.append(
             f"chunks limit throughput: each crop decodes {paid:.1f}x the bytes it holds ({why}). Chunks of about "
             f"{suggestion}, or crops aligned to the chunk grid (stoker.TileGrid), would cut that."
