@@ -573,7 +573,8 @@ class TileWriter:
                 settings["grid"] = {"sample_shape": list(grid.sample_shape), "stride": list(grid.stride),
                                     "pad": grid.pad}
             # a restart without grid= is not refused: its marks, like the grid's, are of whole regions
-            self.record.check_settings(settings, optional=("grid",))
+            # not fsynced here: with the array's metadata before the first mark (below), not before the first tile
+            self.record.check_settings(settings, optional=("grid",), durable=False)
         barrier(group)
         # the regions written and marked (the record's, then each after its mark): what pending() skips
         self.done = self.record.done()
@@ -598,7 +599,8 @@ class TileWriter:
         # a written region is marked once its chunk files are on the disk (local disks), a group of regions at a
         # time on a sync thread of its own (none without write threads)
         self._marks = DurableMarks(self.record, self._chunks.folder, self._marked, self._background is not None,
-                                   float(write_timeout_s), metadata=self._chunks.metadata_files())
+                                   float(write_timeout_s), metadata=self._chunks.metadata_files() + (
+                                       [] if self.record.settings_file is None else [self.record.settings_file]))
         weakref.finalize(self, self._marks.stop)
         if self._ndim is not None:
             self._setup(self._ndim)
