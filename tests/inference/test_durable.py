@@ -366,7 +366,8 @@ def test_each_chunk_s_writeback_starts_when_it_is_written_and_again_before_its_f
         fsyncs = [i for i, (k, p) in enumerate(wb.events) if k == "fsync" and p == f]
         before = [i for i, (k, p) in enumerate(wb.events) if k == "start" and p == f]
         assert len(fsyncs) == len(before) == 1 and before[0] < fsyncs[0]
-    assert sum(k == "start" for k, _ in wb.events) == 2 * len(chunks) + 1  # and the array's zarr.json
+    # and the array's zarr.json and the record's settings (writer.json), with the first pass
+    assert sum(k == "start" for k, _ in wb.events) == 2 * len(chunks) + 2
 
 
 def test_a_pass_starts_every_file_s_writeback_before_the_first_fsync(tmp_path, monkeypatch):
@@ -408,3 +409,34 @@ def test_a_chunk_writer_without_a_record_starts_no_writeback(tmp_path, monkeypat
     cw.write((slice(0, 8), slice(0, 16)), np.arange(128, dtype="f4").reshape(8, 16) + 1)
     assert cw.direct_chunks == 2 and not any(k == "start" for k, _ in wb.events)
     np.testing.assert_array_equal(arr[:], np.arange(128, dtype="f4").reshape(8, 16) + 1)
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+def test_the_settings_reach_the_disk_before_the_first_mark_not_before_the_writer_starts(tmp_path, monkeypatch,
+                                                                                       threads):
+    # the record's settings (writer.json) vouch for every mark: they are on the disk, their name too, before the
+    # first mark is appended; but TileWriter() does not wait on the disk for them (it did: two fsyncs, file and
+    # folder, before the first tile could be read), they go with the first group of marks as the array's metadata
+    calls = Calls(monkeypatch)
+    shape = (16, 16, 24)
+    data = np.random.default_rng(5).random(shape).astype("f4") + 1
+    src = str(tmp_path / "in.zarr")
+    zarr.create_array(src, shape=shape, chunks=(8, 8, 8), dtype="f4")[:] = data
+    grid = stoker.TileGrid([src], (8, 8, 8), stride=(8, 8, 8))
+    out = tmp_path / "out.zarr"
+    writer = stoker.TileWriter(str(out), shape, (8, 8, 8), "f4", grid=grid, write_threads=threads)
+    settings = str((tmp_path / "out.zarr.tiles-done" / "writer.json").resolve())
+    assert os.path.exists(settings)
+    assert not [p for k, p, _ in calls.events if k == "fsync"]  # nothing waited on the disk yet
+    tiles = [grid.sample(0, i) for i in range(len(grid))]
+    for i in range(0, len(tiles), 3):
+        batch = tiles[i:i + 3]
+        writer.write(batch, np.stack([data[tuple(slice(a, b) for a, b in s.aabb)] for s in batch]))
+    writer.close()
+    np.testing.assert_array_equal(zarr.open_array(str(out), mode="r")[:], data)
+    first = min(i for i, (k, p, _) in enumerate(calls.events) if k == "write" and
+                os.path.basename(p).startswith(LOG_PREFIX))
+    record = os.path.dirname(settings)
+    assert calls.first("fsync", settings) < first
+    assert calls.last("replace", settings) < calls.first("fsync", record) < first  # its name in the folder
+    assert calls.first("fsync", str(tmp_path.resolve())) < first  # and the record folder's in its parent

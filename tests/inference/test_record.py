@@ -4,11 +4,14 @@ the per-region files of earlier records still count."""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 
+import numpy as np
 import pytest
 
+from stoker.errors import InvalidArgument
 from stoker.inference.record import LOG_PREFIX, CompletionRecord
 
 pytestmark = pytest.mark.timeout(60)
@@ -117,3 +120,41 @@ def test_done_takes_only_indices_of_the_region_grid(tmp_path):
     for m in [(1, 1, 2), (0, 0, 0, 0), (2, 0, 0), (0, 2, 0), (1, 1, 3), (1, 1), (0, 0, 0, 0, 0), (15, 1, 2)]:
         rec.mark(m)
     assert rec.done() == {(1, 1, 2), (0, 0, 0, 0)}
+
+
+def test_settings_cut_short_by_a_crash_before_any_mark_are_started_again(tmp_path):
+    # writer.json goes to the disk with the first group of marks: a crash before it may leave the file empty (its
+    # name durable, its bytes not); no mark can be there then, so a restart starts the record again, where it
+    # raised JSONDecodeError
+    import zarr
+
+    import stoker
+
+    src = str(tmp_path / "in.zarr")
+    data = np.arange(8 * 8 * 8, dtype="f4").reshape(8, 8, 8)
+    zarr.create_array(src, shape=(8, 8, 8), chunks=(4, 4, 4), dtype="f4")[:] = data
+    grid = stoker.TileGrid([src], (4, 4, 4), stride=(4, 4, 4))
+    out = str(tmp_path / "out.zarr")
+    stoker.TileWriter(out, (8, 8, 8), (4, 4, 4), "f4", grid=grid, write_threads=0).close()  # made, nothing marked
+    settings = tmp_path / "out.zarr.tiles-done" / "writer.json"
+    settings.write_bytes(b"")
+    writer = stoker.TileWriter(out, (8, 8, 8), (4, 4, 4), "f4", grid=grid, write_threads=0)
+    assert len(writer.pending(grid)) == len(grid)
+    for s in writer.pending(grid):
+        writer.write([s], data[tuple(slice(a, b) for a, b in s.aabb)][None])
+    writer.close()
+    np.testing.assert_array_equal(zarr.open_array(out, mode="r")[:], data)
+    assert json.loads(settings.read_bytes())["shape"] == [8, 8, 8]
+
+
+def test_settings_cut_short_beside_marks_are_refused(tmp_path):
+    # marks are appended only once the settings are on the disk: torn settings beside marks are not a crash's
+    # doing, and the marks cannot be trusted: refused, naming the file, rather than started again over them
+    rec = CompletionRecord(str(tmp_path / "out.zarr"))
+    rec.check_settings({"shape": [8, 8], "unit": [4, 4], "dtype": "float32", "blend": "none", "crop": None})
+    rec.mark((0, 1))
+    rec.sync()
+    (tmp_path / "out.zarr.tiles-done" / "writer.json").write_bytes(b'{"shape": [8')
+    with pytest.raises(InvalidArgument, match="writer.json"):
+        CompletionRecord(str(tmp_path / "out.zarr")).check_settings(
+            {"shape": [8, 8], "unit": [4, 4], "dtype": "float32", "blend": "none", "crop": None})

@@ -100,7 +100,8 @@ class DurableMarks:
         self._draining = False  # drain() was called: passes start at once
         self._error: BaseException | None = None
         # folders whose own entry in their parent is on the disk (fsynced after they were made); the array's
-        # metadata files, fsynced with the first pass (a mark vouches for an array that exists)
+        # metadata files and the record's settings, fsynced with the first pass (a mark vouches for an array that
+        # exists, under those settings)
         self._known: set[Path] = set()
         self._metadata = list(metadata)
         self.passes = 0  # passes that marked something (for tests and the benchmark)

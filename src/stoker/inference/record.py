@@ -126,14 +126,32 @@ class CompletionRecord:
         except FileNotFoundError:
             return None
 
-    def check_settings(self, settings: dict, optional: tuple[str, ...] = ()) -> None:
+    @property
+    def settings_file(self) -> Path | None:
+        """The settings' file on a local disk (``writer.json``), which :meth:`check_settings` with ``durable=False``
+        leaves to be fsynced before the first mark; None on an object store (a PUT is durable)."""
+        return None if self.remote else Path(self.path) / "writer.json"
+
+    def check_settings(self, settings: dict, optional: tuple[str, ...] = (), durable: bool = True) -> None:
         """Start the record for ``settings``, or check that those it was started with are the same; a key of
-        ``optional`` is compared only where both name it (a writer's ``grid``, which a restart may leave out)."""
+        ``optional`` is compared only where both name it (a writer's ``grid``, which a restart may leave out).
+
+        ``durable=False``: a record started here is written atomically but not fsynced; the caller makes
+        :attr:`settings_file` and its folder durable before the first mark (a TileWriter's first group of marks:
+        :mod:`.durable`), instead of waiting on the disk before its first tile. A crash before then may leave the
+        file empty or cut short (its name on the disk, its bytes not): with no mark in the record that is a record
+        never used, started again here; beside marks (which come only after the settings are on the disk) it is
+        refused."""
         blob = self._read("writer.json")
-        if blob is None:
-            self._write("writer.json", json.dumps(settings, sort_keys=True).encode())
+        saved = _parsed(blob)
+        if saved is _TORN and self._has_marks():
+            raise InvalidArgument(
+                f"{self.uri}: the completion record's settings {self.path}/writer.json are not whole JSON, beside "
+                "marks of written regions that they vouch for: remove the array and its record to start over",
+                uri=self.uri)
+        if blob is None or saved is _TORN:
+            self._write("writer.json", json.dumps(settings, sort_keys=True).encode(), durable=durable)
             return
-        saved = json.loads(blob)
         now = json.loads(json.dumps(settings))
 
         def compared(d: dict, other: dict) -> dict:
@@ -197,6 +215,17 @@ class CompletionRecord:
         return out
 
 
+    def _has_marks(self) -> bool:
+        """Whether the record holds any mark (a line of a log, or a region's object), read or not."""
+        if self.remote:
+            return any(name != "writer.json" for name in self._store.list())
+        for name in os.listdir(self.path):
+            stem, ext = os.path.splitext(name)
+            if (ext == ".json" and stem != "writer") or \
+                    (name.startswith(LOG_PREFIX) and ext == LOG_SUFFIX and os.path.getsize(Path(self.path) / name)):
+                return True
+        return False
+
     def _grid(self) -> tuple[int, ...] | None:
         """The regions per axis of the array (``writer.json``'s shape over its write unit); None before the
         record is started."""
@@ -205,6 +234,19 @@ class CompletionRecord:
             return None
         saved = json.loads(blob)
         return tuple(-(-int(s) // int(u)) for s, u in zip(saved["shape"], saved["unit"]))
+
+
+_TORN = object()  # settings that are not whole JSON (see CompletionRecord.check_settings)
+
+
+def _parsed(blob: bytes | None) -> Any:
+    """The settings in ``blob``; None for none, ``_TORN`` for bytes that are not whole JSON (a crash cut them)."""
+    if blob is None:
+        return None
+    try:
+        return json.loads(blob)
+    except ValueError:  # JSONDecodeError, and UnicodeDecodeError of bytes that never were text
+        return _TORN
 
 
 def forget(uri: str, storage_options: dict | None = None) -> None:

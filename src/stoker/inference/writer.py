@@ -572,7 +572,8 @@ class TileWriter:
                 settings["grid"] = {"sample_shape": list(grid.sample_shape), "stride": list(grid.stride),
                                     "pad": grid.pad}
             # a restart without grid= is not refused: its marks, like the grid's, are of whole regions
-            self.record.check_settings(settings, optional=("grid",))
+            # not fsynced here: with the array's metadata before the first mark (below), not before the first tile
+            self.record.check_settings(settings, optional=("grid",), durable=False)
         barrier(group)
         # the regions written and marked (the record's, then each after its mark): what pending() skips
         self.done = self.record.done()
@@ -580,6 +581,9 @@ class TileWriter:
         self._open: dict[tuple[int, ...], _Region] = {}
         self._expected: dict[tuple[int, ...], int] | None = None
         self._boxes: dict[tuple[int, ...], list[Box]] = {}  # with grid=: each owned region's parts' boxes
+        # with grid=: each tile's cut (see _setup, which needs the same boxes), so write() looks a grid tile's parts
+        # up instead of redoing the box arithmetic per tile and region on the caller's thread
+        self._cuts: dict[tuple[Box, bool], tuple[int, list[tuple[tuple[int, ...], Box, tuple[Any, ...]]]]] = {}
         self._weights: dict[tuple[int, ...], np.ndarray] = {}
         self._windows: dict[int, np.ndarray] = {}  # a tile axis's length -> its window (blend.window)
         self._scratch = np.empty(0, dtype=np.float64)  # the blend's products, reused (the caller's thread only)
@@ -594,7 +598,8 @@ class TileWriter:
         # a written region is marked once its chunk files are on the disk (local disks), a group of regions at a
         # time on a sync thread of its own (none without write threads)
         self._marks = DurableMarks(self.record, self._chunks.folder, self._marked, self._background is not None,
-                                   float(write_timeout_s), metadata=self._chunks.metadata_files())
+                                   float(write_timeout_s), metadata=self._chunks.metadata_files() + (
+                                       [] if self.record.settings_file is None else [self.record.settings_file]))
         weakref.finalize(self, self._marks.stop)
         if self._ndim is not None:
             self._setup(self._ndim)
@@ -613,12 +618,28 @@ class TileWriter:
             self._expected = {}
             # the grid's tiles (a prediction for another box is refused before it changes anything: write())
             assert self._tiles is not None
+            padded = self.grid.pad is not None
             for tile in self._tiles:
-                out = self._out(tile, self.grid.pad is not None)
-                for r in regions_of(out, self.unit):
+                cut = self._cuts[(tile, padded)] = self._cut_of(tile, padded)
+                for r, box, _ in cut[1]:
                     if self._owner(r) == self.rank:
                         self._expected[r] = self._expected.get(r, 0) + 1
-                        self._boxes.setdefault(r, []).append(intersect(out, region_box(r, self.unit, self.spatial)))
+                        self._boxes.setdefault(r, []).append(box)
+
+    def _cut_of(self, aabb: Box, padded: bool) -> tuple[int, list[tuple[tuple[int, ...], Box, tuple[Any, ...]]]]:
+        """Where a tile at ``aabb`` (``padded``: a sample with ``pad``) goes: the flat index of its output box's
+        first voxel (which tile wins a voxel of ``blend="none"``), and for each region its output box touches, in
+        C order: the region, the part's box in the array, and the part as slices of the prediction (Ellipsis
+        first). Pure: a grid's tiles are cut once (:meth:`_cut` skips a box cropped away whole, and refuses one
+        past the array, before it looks the cut up)."""
+        out = self._out(aabb, padded)
+        inside = all(0 <= a < n for (a, _), n in zip(out, self.spatial))  # else never placed: see above
+        start = int(np.ravel_multi_index(tuple(a for a, _ in out), self.spatial)) if inside else -1
+        parts = []
+        for r in regions_of(out, self.unit):
+            box = intersect(out, region_box(r, self.unit, self.spatial))
+            parts.append((r, box, (Ellipsis,) + local(box, aabb)))
+        return start, parts
 
     def _plan(self, r: tuple[int, ...], parts: np.dtype) -> _Plan | None:
         """Where region ``r``'s parts (of dtype ``parts``) lie, for a weighted blend over a grid (see
@@ -723,13 +744,12 @@ class TileWriter:
                                       "(as TileGrid(pad=...) does), or keep its box inside the array", uri=self.uri)
             if any(b <= a for a, b in out):
                 continue  # cropped away whole
-            start = int(np.ravel_multi_index(tuple(a for a, _ in out), self.spatial))
-            for r in regions_of(out, self.unit):
+            cut = self._cuts.get((key, s.pad is not None))
+            start, pieces = cut if cut is not None else self._cut_of(key, s.pad is not None)
+            for r, box, at in pieces:
                 if r in self._handed:
                     continue
-                box = intersect(out, region_box(r, self.unit, self.spatial))
-                values = pred[(Ellipsis,) + local(box, key)]
-                parts[self._owner(r)].append((r, key, box, values, start))
+                parts[self._owner(r)].append((r, key, box, pred[at], start))
 
     def _exchange(self, parts: list[list[Part]], failed: BaseException | None) -> list[Part]:
         """The parts of this rank's regions, from every rank; ``failed``: this rank's batch failed (refused, or
