@@ -25,7 +25,7 @@ What it draws:
 - Fill values 0, nonzero, the type's extremes, NaN, +-inf, -0.0 (v2: also null).
 - Layouts stoker does not read (nested sharding, transpose or numcodecs array codecs before
   ``sharding_indexed``, numcodecs.packbits, datetime, string, raw bytes and structured types): a
-  :class:`stoker.UnsupportedFormat` at open or read, never data.
+  :class:`stoker.UnsupportedFormat` from ``open_array`` and from a pipeline's batch, never data.
 - Where: the array's folder, or a member of a group (consolidated or not) in a zip archive or over HTTP
   (tests/range_server.py; half the time through a disk cache, the native batches read twice).
 - Executors: the compiled engine, the Python decode path, and the GPU decode and hybrid executors on CPU
@@ -491,8 +491,11 @@ def test_layout_reads_as_zarr_python_reads_it(served, tmp_path, monkeypatch, see
     what = f"seed {seed} ({where}, {consolidated=}, {knobs=}, {executor}): shape={layout['shape']} {layout['kw']} config={layout['config']} " \
            f"written={written}"
     if layout["refused"] is not None:
+        whole = tuple((0, n) for n in layout["shape"])
         with pytest.raises(stoker.UnsupportedFormat):  # README.md, "What is read": never data
-            stoker.open_array(uri).read(tuple((0, n) for n in layout["shape"]))
+            stoker.open_array(uri).read(whole)
+        with pytest.raises(stoker.UnsupportedFormat):
+            _pipeline(uri, [whole], "native")
         return
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
