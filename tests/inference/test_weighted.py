@@ -287,3 +287,16 @@ def test_buffers_that_give_no_strides_blend_as_c_order(ctype):
                                for v, o, w in parts])
     weighted.native_mean(out, parts)
     np.testing.assert_array_equal(out_np, want)
+
+
+@compiled
+@pytest.mark.timeout(60, method="thread")  # (a hang is in C, the GIL released: the signal method never fires)
+@pytest.mark.parametrize("shape", [(2**31, 2**31, 0), (2**40, 2**40, 0, 1), (2**31, 0, 2**31)])
+def test_an_output_of_no_voxel_returns_at_once(shape):
+    """An output with an extent 0 may claim any other extents (ctypes makes (2**31, 2**31, 0) float32: no byte).
+    blend_mean walked its rows (the extents before the last: 2**62 of them, a hang with the GIL released) or
+    multiplied extents past Py_ssize_t (undefined behaviour) before meeting the 0, or asked for scratch of the
+    last extent (64 GiB for 2**31): it has nothing to write."""
+    out = _ctypes_floats(shape, ctypes.c_float)
+    assert memoryview(out).shape == shape and memoryview(out).nbytes == 0
+    assert weighted.native_mean(out, ()) is None

@@ -231,7 +231,20 @@ static PyObject *blend_mean_py(PyObject *Py_UNUSED(self), PyObject *args) {
             }
         }
     }
-    const Py_ssize_t n = out.shape[nd - 1] ? out.shape[nd - 1] : 1; /* a row's voxels (blend_rows) */
+    /* An output of no voxel (an extent 0) has nothing to write, whatever its other extents claim: an empty
+     * buffer may claim any (ctypes' (c_float * 0) * 2**31 * 2**31), and blend_rows would walk 2**62 rows of
+     * nothing, or multiply extents past Py_ssize_t before meeting the 0. Else their product is the voxels of a
+     * buffer that exists, never wrapped. */
+    for (int a = 0; a < nd; a++)
+        if (out.shape[a] == 0)
+            goto done;
+    Py_ssize_t voxels = 1;
+    for (int a = 0; a < nd; a++)
+        if (out.shape[a] < 0 || __builtin_mul_overflow(voxels, out.shape[a], &voxels)) {
+            PyErr_SetString(PyExc_ValueError, "blend_mean: the output's extents are negative or too many voxels");
+            goto done;
+        }
+    const Py_ssize_t n = out.shape[nd - 1]; /* a row's voxels (blend_rows) */
     scratch = PyMem_RawMalloc((size_t)n * 4 * sizeof *scratch);
     if (scratch == NULL) {
         PyErr_NoMemory();
