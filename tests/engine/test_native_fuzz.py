@@ -2052,3 +2052,113 @@ def test_read_files_of_sparse_files_past_one_allocation_is_none_not_an_overflow(
     # the small ones read whole; no huge one (none fits one allocation beside another's claim, nor alone in memory)
     assert bytes(got[0]) == bytes(got[-1]) == b"stoker" * 100
     assert len(got) == 5 and all(g is None for g in got[1:4])
+
+
+# ---------------------------------------------------------------------------------------------
+# blend_mean (csrc/blend.c): a TileWriter's weighted mean, from any Python arguments
+
+
+def _blend_reference(out: np.ndarray, parts) -> np.ndarray:
+    """numpy's blend (inference/weighted.py's rules): float64 sums of w * v and of w in the parts' order, their
+    quotient cast; a voxel one part covers, its value cast; none, as it was."""
+    got = out.copy()
+    acc, wsum, last = np.zeros(out.shape), np.zeros(out.shape[1:]), np.zeros(out.shape)
+    count = np.zeros(out.shape[1:], int)
+    for values, offsets, windows in parts:
+        w = np.ones(())
+        for win in windows:
+            w = np.multiply.outer(w, win)
+        at = tuple(slice(o, o + n) for o, n in zip(offsets, values.shape[1:]))
+        acc[(slice(None),) + at] += np.multiply(w, values, dtype=np.float64)
+        wsum[at] += w
+        count[at] += 1
+        last[(slice(None),) + at] = values
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        got[:, count >= 2] = (acc / wsum).astype(out.dtype)[:, count >= 2]
+        got[:, count == 1] = last[:, count == 1].astype(out.dtype)
+    return got
+
+
+def _blend_array(data, shape, dtype, hostile):
+    """An array of ``shape``: C order, a strided view, a ctypes array (its buffer gives no strides) or, hostile,
+    unaligned (an offset into its bytes)."""
+    how = data.draw(st.sampled_from(["c", "strided", "ctypes"] + (["unaligned"] if hostile else [])))
+    dt = np.dtype(dtype)
+    if how == "strided":
+        return np.zeros(tuple(2 * n for n in shape), dt)[tuple(slice(None, None, 2) for _ in shape)]
+    if how == "ctypes" and dt in (np.float32, np.float64):
+        t = ctypes.c_float if dt.itemsize == 4 else ctypes.c_double
+        for n in reversed(shape):
+            t = t * n
+        return t()
+    if how == "unaligned":
+        return np.frombuffer(bytearray(int(np.prod(shape)) * dt.itemsize + 1), dt, offset=1).reshape(shape)
+    return np.zeros(shape, dt)
+
+
+def _aligned(a: np.ndarray) -> bool:
+    """Whether every element lies on its type's alignment, as blend.c judges it (numpy calls an empty array
+    aligned wherever it starts)."""
+    size = a.dtype.itemsize
+    return a.ctypes.data % size == 0 and all(s % size == 0 for s in a.strides)
+
+
+@pytest.mark.skipif(native.blend_mean is None, reason="the compiled engine is not built")
+@fuzz(300)
+@given(st.data())
+def test_blend_mean_arguments(data):
+    """blend_mean takes any arguments: a ValueError, TypeError or BufferError (an output or part of another type, rank or
+    layout than it reads, a part outside the output, a window of another length or type), or numpy's blend,
+    bit for bit, of outputs and parts in any layout: C order, strided, ctypes (no strides given), of any
+    extents, 0 included."""
+    hostile = data.draw(st.integers(0, 3)) == 0
+    floats = st.sampled_from([np.float32, np.float64])
+    nd = data.draw(st.integers(0, 9) if hostile else st.integers(2, 4))
+    shape = tuple(data.draw(st.lists(st.integers(0, 5), min_size=nd, max_size=nd)))
+    out_dtype = data.draw(st.sampled_from([np.float32, np.float64, np.int32, np.float16]) if hostile else floats)
+    out = _blend_array(data, shape, out_dtype, hostile)
+    view = np.ctypeslib.as_array(out) if not isinstance(out, np.ndarray) else out
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    view[...] = rng.normal(size=shape) * 10
+    sound = (out_dtype in (np.float32, np.float64) and 2 <= nd <= 8 and _aligned(view))
+    parts = []
+    for _ in range(data.draw(st.integers(0, 4))):
+        bad = hostile and data.draw(st.integers(0, 3)) == 0
+        p_nd = data.draw(st.integers(0, 9)) if bad else nd
+        ext = [shape[0] if (a == 0 and not (bad and data.draw(st.booleans())) and a < nd)
+               else data.draw(st.integers(0, 5)) for a in range(p_nd)]
+        if not bad and nd >= 1:
+            ext = [shape[0]] + [data.draw(st.integers(0, n)) for n in shape[1:]]
+        p_dtype = data.draw(st.sampled_from([np.float32, np.float64, np.int64]) if bad else floats)
+        values = _blend_array(data, tuple(ext), p_dtype, bad)
+        v_view = np.ctypeslib.as_array(values) if not isinstance(values, np.ndarray) else values
+        v_view[...] = rng.normal(size=tuple(ext)) * 10
+        offsets = [data.draw(st.integers(-2, 6) if bad else st.integers(0, max(0, n - e)))
+                   for n, e in zip(shape[1:], ext[1:])]
+        if bad and data.draw(st.booleans()):
+            offsets = offsets[:-1] if offsets and data.draw(st.booleans()) else offsets + [0]
+        windows = [rng.random(e) + 0.1 for e in ext[1:]]
+        if bad and windows and data.draw(st.booleans()):
+            k = data.draw(st.integers(0, len(windows) - 1))
+            windows[k] = data.draw(st.sampled_from([windows[k].astype(np.float32), windows[k][:-1] if len(windows[k])
+                                                    else np.ones(1), np.ones((1, len(windows[k]))), "w"]))
+        part_sound = (p_dtype in (np.float32, np.float64) and p_nd == nd and ext[:1] == list(shape[:1])
+                      and _aligned(v_view) and len(offsets) == nd - 1 == len(windows)
+                      and all(0 <= o and o + e <= n for o, e, n in zip(offsets, ext[1:], shape[1:]))
+                      and all(isinstance(w, np.ndarray) and w.dtype == np.float64 and w.shape == (e,)
+                              for w, e in zip(windows, ext[1:])))
+        sound = sound and part_sound
+        parts.append((values, tuple(offsets), tuple(windows)))
+    before = view.copy()
+    try:
+        native.blend_mean(out, parts)
+    except (ValueError, TypeError, BufferError):  # (BufferError: a numpy scalar, the 0-d "view", is read-only)
+        event("refused")
+        assert not sound
+        assert np.array_equal(view, before, equal_nan=True)  # nothing written
+        return
+    event("blended")
+    assert sound
+    want = _blend_reference(before, [(np.ctypeslib.as_array(v) if not isinstance(v, np.ndarray) else v, o, w)
+                                     for v, o, w in parts])
+    np.testing.assert_array_equal(view, want)

@@ -7,6 +7,7 @@ chunkings; and its Python work must not grow with the number of chunks."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 from array import array
@@ -527,3 +528,39 @@ def test_copy_rows_refuses_strides_that_overlap_the_copies():
             native.copy_rows(src, row, box, extent, bad_row_stride, array("q", bad_strides))
     # one row: its stride places nothing (numpy and torch may give a length-1 axis any stride)
     assert native.copy_rows(src[:1], row[:1], box[:1], extent[:1], 0, array("q", strides))
+
+
+def _ctypes_copy(a: np.ndarray):
+    """A ctypes array holding ``a`` (int64): its buffer gives no strides (NULL, as the buffer protocol lets a
+    C-contiguous exporter give them), whatever a consumer asks for."""
+    t = ctypes.c_int64
+    for n in reversed(a.shape):
+        t = t * int(n)
+    made = t()
+    ctypes.memmove(made, np.ascontiguousarray(a, np.int64).ctypes.data, a.size * 8)
+    assert memoryview(made).c_contiguous and np.ctypeslib.as_array(made).tolist() == a.tolist()
+    return made
+
+
+@pytest.mark.skipif(native.copy_rows is None, reason="the compiled engine is not built")
+def test_plan_rows_take_buffers_that_give_no_strides():
+    """copy_rows and chunk_rows read their strided int64 arguments through the buffer's strides: a ctypes array
+    exports none (NULL) and was read through that NULL pointer (a segfault). They are read as C-contiguous,
+    and give what the same numpy arrays give."""
+    out = np.zeros((2, 4, 4), np.float32)
+    src, row = np.zeros(2, np.int64), np.array([0, 1], np.int64)
+    box, extent = np.zeros((2, 2), np.int64), np.full((2, 2), 4, np.int64)
+    row_stride, *strides = (s // out.itemsize for s in out.strides)
+    want = native.copy_rows(src, row, box, extent, row_stride, np.array(strides, np.int64))
+    got = native.copy_rows(*(_ctypes_copy(a) for a in (src, row, box, extent)), row_stride,
+                           _ctypes_copy(np.array(strides, np.int64)))
+    assert got == want
+    rng = np.random.default_rng(7)
+    info = rng.integers(0, 2**40, (2, native.N_INFO_COLS), dtype=np.int64)
+    plan = rng.integers(0, 2**40, (3, native.N_PLAN_COLS), dtype=np.int64)
+    plan[:, native.P_SOURCE] = [0, 1, 0]
+    plan[:, native.P_FILE] = [0, -1, 1]
+    cols = [np.ascontiguousarray(plan[:, k]) for k in range(native.N_PLAN_COLS)]
+    eids = np.array([2, 0], np.int64)
+    want = native.chunk_rows(info, *cols, eids, False)
+    assert native.chunk_rows(_ctypes_copy(info), *(_ctypes_copy(c) for c in cols), _ctypes_copy(eids), False) == want

@@ -5,6 +5,7 @@ regions are made once per layout."""
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 
 import numpy as np
@@ -258,3 +259,44 @@ def test_a_writer_over_8_d_tiles_blends_with_numpy(tmp_path):
         w.write([s], torch.from_numpy(data[tuple(slice(a, b) for a, b in s.aabb)][None].copy()))
     w.close()
     np.testing.assert_allclose(zarr.open_array(str(tmp_path / "out.zarr"))[:], data, rtol=1e-6)
+
+
+def _ctypes_floats(shape, ctype):
+    """A ctypes array of ``shape``: its buffer gives no strides (NULL: C order), whatever the consumer asks."""
+    t = ctype
+    for n in reversed(shape):
+        t = t * n
+    return t()
+
+
+@compiled
+@pytest.mark.parametrize("ctype", [ctypes.c_float, ctypes.c_double])
+def test_buffers_that_give_no_strides_blend_as_c_order(ctype):
+    """blend_mean read the output's and each part's strides from their buffers: a ctypes array gives none
+    (NULL) and was read through that NULL pointer (a segfault). They blend as the same arrays in C order do."""
+    rng = np.random.default_rng(11)
+    out = _ctypes_floats((2, 5, 6), ctype)
+    out_np = np.ctypeslib.as_array(out)  # the same memory, with strides
+    out_np[...] = -3
+    values = _ctypes_floats((2, 3, 4), ctype)
+    np.ctypeslib.as_array(values)[...] = rng.normal(size=(2, 3, 4)) * 10
+    windows = (np.hanning(5)[1:4].copy(), np.hanning(6)[1:5].copy())
+    parts = [(values, (1, 2), windows),
+             (rng.normal(size=(2, 4, 5)).astype(out_np.dtype), (0, 0), (np.linspace(.2, 1, 4), np.linspace(.1, 1, 5)))]
+    want = _reference(out_np, [(np.ctypeslib.as_array(v) if not isinstance(v, np.ndarray) else v, o, w)
+                               for v, o, w in parts])
+    weighted.native_mean(out, parts)
+    np.testing.assert_array_equal(out_np, want)
+
+
+@compiled
+@pytest.mark.timeout(60, method="thread")  # (a hang is in C, the GIL released: the signal method never fires)
+@pytest.mark.parametrize("shape", [(2**31, 2**31, 0), (2**40, 2**40, 0, 1), (2**31, 0, 2**31)])
+def test_an_output_of_no_voxel_returns_at_once(shape):
+    """An output with an extent 0 may claim any other extents (ctypes makes (2**31, 2**31, 0) float32: no byte).
+    blend_mean walked its rows (the extents before the last: 2**62 of them, a hang with the GIL released) or
+    multiplied extents past Py_ssize_t (undefined behaviour) before meeting the 0, or asked for scratch of the
+    last extent (64 GiB for 2**31): it has nothing to write."""
+    out = _ctypes_floats(shape, ctypes.c_float)
+    assert memoryview(out).shape == shape and memoryview(out).nbytes == 0
+    assert weighted.native_mean(out, ()) is None

@@ -29,6 +29,7 @@ typedef struct {
     Py_buffer values;         /* (lanes, e_1, ..., e_d), float32 or float64, any strides */
     int f64;                  /* values are float64 (else float32) */
     Py_ssize_t off[BLEND_MAXD]; /* where it lies in the output (axis 0, the lanes: 0) */
+    Py_ssize_t strides[BLEND_MAXD]; /* the values' strides (buffer_strides: a buffer may give none) */
     Py_buffer win[BLEND_MAXD];  /* the window of spatial axis a (1..d), e_a float64, contiguous */
     int held;                 /* buffers taken: values, then windows 1..held-1 */
 } blend_part;
@@ -39,14 +40,15 @@ static int float_kind(const Py_buffer *b) {
     return t == 'f' && b->itemsize == 4 ? 1 : t == 'd' && b->itemsize == 8 ? 2 : 0;
 }
 
-/* Whether every element of b lies on its type's alignment (its start and every stride a multiple of the item
- * size): they are read and written in place as float and double. numpy makes arrays that are not (an offset
- * into a buffer, a field of a packed record); those are left to numpy (weighted.mean_into) or refused here. */
-static int aligned_items(const Py_buffer *b) {
+/* Whether every element of b lies on its type's alignment (its start and every stride, ``strides``: b's from
+ * buffer_strides, a multiple of the item size): they are read and written in place as float and double. numpy
+ * makes arrays that are not (an offset into a buffer, a field of a packed record); those are left to numpy
+ * (weighted.mean_into) or refused here. */
+static int aligned_items(const Py_buffer *b, const Py_ssize_t *strides) {
     if ((uintptr_t)b->buf % (uintptr_t)b->itemsize)
         return 0;
-    for (int a = 0; b->strides != NULL && a < b->ndim; a++)
-        if (b->strides[a] % b->itemsize)
+    for (int a = 0; a < b->ndim; a++)
+        if (strides[a] % b->itemsize)
             return 0;
     return 1;
 }
@@ -93,12 +95,13 @@ static void add_row(double *restrict acc, double *restrict ws, double *restrict 
         *(T *)(orow + k * ostep) = (T)(cnt[k] == 1.0 ? last[k] : acc[k] / ws[k]);                                   \
     }
 
-static void blend_rows(const Py_buffer *out, int o64, blend_part *parts, Py_ssize_t nparts, double *scratch) {
+static void blend_rows(const Py_buffer *out, const Py_ssize_t *ostrides, int o64, blend_part *parts,
+                       Py_ssize_t nparts, double *scratch) {
     const int nd = out->ndim;
     /* the rows: along the last axis (contiguous, so its loop is vectorised; rows along a longer strided axis
      * cost more than short rows: measured) */
     const int ax = nd - 1;
-    const Py_ssize_t n = out->shape[ax], ostep = out->strides[ax];
+    const Py_ssize_t n = out->shape[ax], ostep = ostrides[ax];
     double *acc = scratch, *ws = scratch + n, *last = scratch + 2 * n, *cnt = scratch + 3 * n;
     Py_ssize_t idx[BLEND_MAXD] = {0}, rows = 1;
     for (int a = 0; a < ax; a++)
@@ -115,7 +118,7 @@ static void blend_rows(const Py_buffer *out, int o64, blend_part *parts, Py_ssiz
         int any = 0;
         for (Py_ssize_t i = 0; i < nparts; i++) {
             const blend_part *p = &parts[i];
-            const char *row = (const char *)p->values.buf + idx[0] * p->values.strides[0];
+            const char *row = (const char *)p->values.buf + idx[0] * p->strides[0];
             double pre = 1.0;
             int inside = 1;
             for (int a = 1; a < ax; a++) {
@@ -125,20 +128,20 @@ static void blend_rows(const Py_buffer *out, int o64, blend_part *parts, Py_ssiz
                     break;
                 }
                 pre *= ((const double *)p->win[a].buf)[at];
-                row += at * p->values.strides[a];
+                row += at * p->strides[a];
             }
             if (!inside)
                 continue;
             any = 1;
             const Py_ssize_t o = p->off[ax];
-            add_row(acc + o, ws + o, last + o, cnt + o, p->win[ax].buf, pre, row, p->values.strides[ax],
+            add_row(acc + o, ws + o, last + o, cnt + o, p->win[ax].buf, pre, row, p->strides[ax],
                     p->values.shape[ax], p->f64);
         }
         if (!any)
             continue;
         char *orow = out->buf;
         for (int a = 0; a < ax; a++)
-            orow += idx[a] * out->strides[a];
+            orow += idx[a] * ostrides[a];
         if (o64) {
             OUT_ROW(double)
         } else {
@@ -160,7 +163,10 @@ static PyObject *blend_mean_py(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_ssize_t nparts = 0;
     double *scratch = NULL;
     const int kind = float_kind(&out);
-    if (kind == 0 || out.ndim < 2 || out.ndim > BLEND_MAXD || !aligned_items(&out)) {
+    Py_ssize_t ostrides[BLEND_MAXD];
+    if (out.ndim >= 2 && out.ndim <= BLEND_MAXD)
+        buffer_strides(&out, ostrides);
+    if (kind == 0 || out.ndim < 2 || out.ndim > BLEND_MAXD || !aligned_items(&out, ostrides)) {
         PyErr_Format(PyExc_ValueError, "blend_mean: the output must be float32 or float64 with 2 to %d axes, "
                      "its elements aligned", BLEND_MAXD);
         goto done;
@@ -186,7 +192,10 @@ static PyObject *blend_mean_py(PyObject *Py_UNUSED(self), PyObject *args) {
             goto done;
         p->held = 1;
         int vk = float_kind(&p->values);
-        if (vk == 0 || p->values.ndim != nd || p->values.shape[0] != out.shape[0] || !aligned_items(&p->values)) {
+        if (p->values.ndim == nd)
+            buffer_strides(&p->values, p->strides);
+        if (vk == 0 || p->values.ndim != nd || p->values.shape[0] != out.shape[0] ||
+            !aligned_items(&p->values, p->strides)) {
             PyErr_SetString(PyExc_ValueError, "blend_mean: a part's values must be float32 or float64 with the "
                                               "output's axes and lanes, their elements aligned");
             goto done;
@@ -211,22 +220,38 @@ static PyObject *blend_mean_py(PyObject *Py_UNUSED(self), PyObject *args) {
                 0)
                 goto done;
             p->held = a + 1;
+            Py_ssize_t wstride[1] = {8};
+            if (p->win[a].ndim == 1)
+                buffer_strides(&p->win[a], wstride);
             if (float_kind(&p->win[a]) != 2 || p->win[a].ndim != 1 || p->win[a].shape[0] != p->values.shape[a] ||
-                !aligned_items(&p->win[a])) {
+                !aligned_items(&p->win[a], wstride)) {
                 PyErr_SetString(PyExc_ValueError, "blend_mean: a window is float64, aligned, as long as the part's "
                                                   "axis");
                 goto done;
             }
         }
     }
-    const Py_ssize_t n = out.shape[nd - 1] ? out.shape[nd - 1] : 1; /* a row's voxels (blend_rows) */
+    /* An output of no voxel (an extent 0) has nothing to write, whatever its other extents claim: an empty
+     * buffer may claim any (ctypes' (c_float * 0) * 2**31 * 2**31), and blend_rows would walk 2**62 rows of
+     * nothing, or multiply extents past Py_ssize_t before meeting the 0. Else their product is the voxels of a
+     * buffer that exists, never wrapped. */
+    for (int a = 0; a < nd; a++)
+        if (out.shape[a] == 0)
+            goto done;
+    Py_ssize_t voxels = 1;
+    for (int a = 0; a < nd; a++)
+        if (out.shape[a] < 0 || __builtin_mul_overflow(voxels, out.shape[a], &voxels)) {
+            PyErr_SetString(PyExc_ValueError, "blend_mean: the output's extents are negative or too many voxels");
+            goto done;
+        }
+    const Py_ssize_t n = out.shape[nd - 1]; /* a row's voxels (blend_rows) */
     scratch = PyMem_RawMalloc((size_t)n * 4 * sizeof *scratch);
     if (scratch == NULL) {
         PyErr_NoMemory();
         goto done;
     }
     Py_BEGIN_ALLOW_THREADS
-    blend_rows(&out, kind == 2, parts, nparts, scratch);
+    blend_rows(&out, ostrides, kind == 2, parts, nparts, scratch);
     Py_END_ALLOW_THREADS
 
 done:

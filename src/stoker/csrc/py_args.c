@@ -63,16 +63,29 @@ int int64_buffers(PyObject *const *objs, Py_buffer *b, int n, const char *who) {
     return 0;
 }
 
+/* b's strides into out (b->ndim of them): its own, or a C-contiguous array's of its shape where it gives none.
+ * An exporter may give strides NULL whatever the flags asked (ctypes arrays do: C order, as PEP 3118 reads a
+ * NULL), so a consumer that reads strides takes them from here, never from b->strides. A product past
+ * Py_ssize_t (only an array of no element can claim one: a zero extent) leaves 0 (no element is read). */
+void buffer_strides(const Py_buffer *b, Py_ssize_t *out) {
+    Py_ssize_t s = b->itemsize;
+    for (int a = b->ndim - 1; a >= 0; a--) {
+        out[a] = b->strides != NULL ? b->strides[a] : s;
+        if (b->shape != NULL && __builtin_mul_overflow(s, b->shape[a], &s))
+            s = 0;
+    }
+}
+
 /* Whether no two of b's elements (8 bytes each; 1 or 2 axes) share a byte: axes of more than one element, the
  * finer stride first, each step at least what the finer axis spans. Then the buffer's logical size (b.len)
  * is memory it holds. A zero stride (np.broadcast_to) or overlapping rows (sliding_window_view) fail: there a
  * few bytes can claim any size, and a copy by the logical size would allocate and write it all. */
-static int apart(const Py_buffer *b) {
+static int apart(const Py_buffer *b, const Py_ssize_t *strides) {
     long long step[2], count[2];
     int k = 0;
     for (int i = 0; i < b->ndim; i++) {
         if (b->shape[i] > 1) {
-            step[k] = b->strides[i] < 0 ? -(long long)b->strides[i] : (long long)b->strides[i];
+            step[k] = strides[i] < 0 ? -(long long)strides[i] : (long long)strides[i];
             count[k++] = b->shape[i];
         }
     }
@@ -101,7 +114,9 @@ int int64_matrix(PyObject *obj, long long cols, long long *n, int64_t **out, con
             PyErr_Format(PyExc_ValueError, "%s must be rows of %lld int64", what, cols);
         return -1;
     }
-    if (!apart(&b)) {
+    Py_ssize_t strides[2] = {0, 0}; /* (ndim 1 or 2, checked above) */
+    buffer_strides(&b, strides);
+    if (!apart(&b, strides)) {
         PyBuffer_Release(&b);
         PyErr_Format(PyExc_ValueError, "%s repeats values in memory (a zero stride, as np.broadcast_to makes, or "
                      "rows that overlap): pass np.ascontiguousarray(...) of it", what);
@@ -117,7 +132,7 @@ int int64_matrix(PyObject *obj, long long cols, long long *n, int64_t **out, con
     }
     for (long long r = 0; r < rows; r++)
         for (long long c = 0; c < w; c++)
-            memcpy(&o[r * w + c], (const char *)b.buf + r * b.strides[0] + (cols ? c * b.strides[1] : 0), 8);
+            memcpy(&o[r * w + c], (const char *)b.buf + r * strides[0] + (cols ? c * strides[1] : 0), 8);
     PyBuffer_Release(&b);
     *n = rows;
     *out = o;

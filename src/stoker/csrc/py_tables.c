@@ -95,6 +95,7 @@ static PyObject *chunk_rows_py(PyObject *Py_UNUSED(self), PyObject *args) {
                           &col_objs[4], &col_objs[5], &col_objs[6], &col_objs[7], &eids_obj, &fetched))
         return NULL;
     Py_buffer views[N_PLAN_COLS];
+    Py_ssize_t steps[N_PLAN_COLS]; /* each column's stride (buffer_strides: a buffer may give none) */
     int held = 0;
     int64_t *info = NULL, *eids = NULL, *taken = NULL;
     long long n_sources = 0, n = 0, n_rows = 0;
@@ -112,6 +113,7 @@ static PyObject *chunk_rows_py(PyObject *Py_UNUSED(self), PyObject *args) {
             goto done;
         }
         n = b->shape[0];
+        buffer_strides(b, &steps[held]);
     }
     if (eids_obj == Py_None)
         n_rows = n;
@@ -132,7 +134,7 @@ static PyObject *chunk_rows_py(PyObject *Py_UNUSED(self), PyObject *args) {
             goto done;
         }
         for (int c = 0; c < N_PLAN_COLS; c++)
-            memcpy(taken + c * n_rows + k, (const char *)views[c].buf + i * views[c].strides[0], 8);
+            memcpy(taken + c * n_rows + k, (const char *)views[c].buf + i * steps[c], 8);
     }
     result = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(n_rows * N_CHUNK_COLS * 8));
     if (result == NULL)
