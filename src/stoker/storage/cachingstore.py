@@ -236,9 +236,9 @@ class CachingStore:
 
         >>> kv.opened("g.zarr/a"); kv.listed("g.zarr/a")   # False until its last page came
         """
-        prefix = check_prefix(prefix)
         if not self._listings:  # nothing listed (HTTP; a cold cache's opens): asked per array of every batch
             return False
+        prefix = check_prefix(prefix)
         now = time.monotonic()
         with self._lock:
             listing = self._listing_of(prefix + "/")
