@@ -58,6 +58,30 @@ def test_keys_known_within_half_the_bound_ask_nothing(http, data, tmp_path):
     assert http.log[start:] == []  # no HEAD, no GET
 
 
+def test_past_half_the_bound_keys_no_listing_covers_ask_nothing_until_the_bound(http, data, tmp_path):
+    # over HTTP no listing covers a key: past half the bound asking does nothing (no HEAD) until the bound, so
+    # revalidate says so, until the bound; before, it said nothing of them, and a pipeline whose second epoch
+    # began past half the bound asked about every chunk of every batch again, for nothing. Past the bound: HEADs
+    kv = _store(http, tmp_path, 4.0)
+    before = time.monotonic()
+    _read(kv)
+    assert kv.cache.flush(30)
+    time.sleep(max(0.0, before + 2.2 - time.monotonic()))  # past half the bound, within it
+    start = len(http.log)
+    fresh = kv.revalidate(KEYS)
+    assert time.monotonic() < before + 4.0
+    assert sorted(fresh) == sorted(KEYS)
+    assert all(before + 4.0 <= until <= time.monotonic() + 4.0 for until in fresh.values())  # learnt + the bound
+    assert kv.fresh_until(KEYS) == min(fresh.values())
+    assert http.log[start:] == []
+    time.sleep(max(0.0, max(fresh.values()) - time.monotonic() + 0.05))  # past the bound: a HEAD each
+    assert kv.fresh_until(KEYS) == 0.0 and kv.revalidate(KEYS) == {}
+    deadline = time.monotonic() + 15
+    while len(_asked(http, start, "HEAD")) < len(KEYS) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sorted(p.lstrip("/") for p in _asked(http, start, "HEAD")) == sorted(KEYS)
+
+
 def test_past_half_the_bound_revalidate_heads_and_a_replaced_object_is_read_new(http, data, tmp_path):
     kv = _store(http, tmp_path, 0.5)
     old = _read(kv)

@@ -236,9 +236,9 @@ class CachingStore:
 
         >>> kv.opened("g.zarr/a"); kv.listed("g.zarr/a")   # False until its last page came
         """
-        prefix = check_prefix(prefix)
         if not self._listings:  # nothing listed (HTTP; a cold cache's opens): asked per array of every batch
             return False
+        prefix = check_prefix(prefix)
         now = time.monotonic()
         with self._lock:
             listing = self._listing_of(prefix + "/")
@@ -250,7 +250,9 @@ class CachingStore:
         calls for the objects of batches planned ahead, so that their reads find the generations known.
         Returns, for the keys whose generation is known now and younger than half of ``staleness_s`` (asking
         about them does nothing: no HEAD, and no listing, which starts again only past that half), until when
-        (``time.monotonic()``) that holds: a caller asking often (a batch at a time) skips them until then.
+        (``time.monotonic()``) that holds: a caller asking often (a batch at a time) skips them until then; a
+        key past that half that no listing covers, until the bound itself (asking does nothing before a HEAD
+        is due: :meth:`_idle_until`).
 
         >>> until = kv.revalidate(["g.zarr/a/c/0/0"])   # {} on the first ask; then {key: learnt + bound / 2}
         """
@@ -267,6 +269,9 @@ class CachingStore:
         fresh = {key: got[1] + half for key, got in zip(keys, known) if got is not None and now - got[1] < half}
         if len(fresh) == len(keys):
             return fresh
+        self._idle_until(keys, known, fresh, now)
+        if len(fresh) == len(keys):
+            return fresh
         rest = set(keys).difference(fresh)
         for key in rest:  # what is known was read (or listed) under a checked key; the rest asks the store
             check_key(key)
@@ -274,8 +279,9 @@ class CachingStore:
         return fresh
 
     def fresh_until(self, keys: Sequence[str]) -> float:
-        """Until when (``time.monotonic()``) every one of ``keys`` stays known and younger than half of
-        ``staleness_s``: the earliest of what :meth:`revalidate` would return for them; 0.0 unless it would
+        """Until when (``time.monotonic()``) asking about every one of ``keys`` does nothing (each known and younger
+        than half of ``staleness_s``, or within it where no listing covers it): the earliest of what
+        :meth:`revalidate` would return for them; 0.0 unless it would
         return them all (asking about them then does nothing). One look-up for many keys, asking nothing: what a
         pipeline checks for a box of chunks it kept the keys of, a second epoch's, before asking chunk by chunk.
 
@@ -290,7 +296,32 @@ class CachingStore:
             return 0.0
         half = self.staleness_s / 2
         oldest = min(map(_WHEN, known))
-        return oldest + half if time.monotonic() - oldest < half else 0.0
+        now = time.monotonic()
+        if now - oldest < half:
+            return oldest + half
+        # some past half the bound: those no listing covers stay idle until the bound (see _idle_until)
+        young = {key: got[1] + half for key, got in zip(keys, known) if now - got[1] < half}
+        self._idle_until(keys, known, young, now)
+        return min(young.values()) if len(young) == len(keys) else 0.0
+
+    def _idle_until(self, keys: Sequence[str], known: list, fresh: dict[str, float], now: float) -> None:
+        """Add to ``fresh`` (key -> until, those younger than half the bound) the keys among ``keys`` (their
+        ``known`` generations, as looked up) that are past half of ``staleness_s`` but within it and that no
+        listing covers: asking about one does nothing until the bound (no listing starts again for it, and a
+        HEAD only once it is stale: :meth:`_known_now`), so until then, ``learnt + staleness_s``. Without this,
+        a second epoch begun past half the bound (a first epoch longer than that, on a loaded machine) had its
+        pipeline ask about each of them chunk by chunk, every batch, for nothing, as no answer could be kept.
+        A key a listing covers is asked at half the bound (its listing starts again then), as before."""
+        staleness = self.staleness_s
+        idle = [(key, got) for key, got in zip(keys, known)
+                if got is not None and key not in fresh and now - got[1] < staleness]
+        if not idle:
+            return
+        if not self._listings:  # nothing listed (HTTP; arrays opened on a cold cache): none is covered
+            fresh.update((key, got[1] + staleness) for key, got in idle)
+            return
+        with self._lock:
+            fresh.update((key, got[1] + staleness) for key, got in idle if self._listing_of(key) is None)
 
     def _relist(self, prefix: str, now: float) -> "_Listing":
         """A new listing of ``prefix`` (its first page started), in place of the one before."""

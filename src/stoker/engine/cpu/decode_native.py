@@ -242,8 +242,8 @@ class _SourceSet:
     their ``info`` rows (I_* columns), the sources table and path blob of ``Engine.submit``, and whether the
     engine makes every chunk of them (files it reads, no store, every element kind it fills)."""
 
-    __slots__ = ("readers", "sources", "info", "table", "blob", "all_engine", "disk_room", "disk_store",
-                 "disk_stores", "disk_uid", "disk_strides", "disk_grid")
+    __slots__ = ("readers", "sources", "info", "table", "blob", "all_engine", "all_fetched", "disk_room",
+                 "disk_store", "disk_stores", "disk_uid", "disk_strides", "disk_grid")
 
     def __init__(self, readers: list, sources: list[_Source]) -> None:
         # rows packed by each _Source, joined here: a batch of arrays new to the pipeline (many small arrays,
@@ -253,6 +253,9 @@ class _SourceSet:
         self.sources = sources
         self.info = np.frombuffer(b"".join([s.info_row for s in sources]), np.int64).reshape(n, native.N_INFO_COLS)
         self.all_engine = bool(n) and all([s.engine_only for s in sources])
+        # every array's stored chunks fetched through its store, then decoded by the engine (arrays in object
+        # stores: a second epoch's batches read from the disk cache), none read by the Python path
+        self.all_fetched = bool(n) and all([s.memory for s in sources])
         width = len(sources[0].row) // 8 if n else native.S_STRIDES  # every array of a batch has its rank
         table = array("q")
         table.frombytes(b"".join([s.row for s in sources]))
@@ -622,6 +625,11 @@ class NativeDecoder:
         sources = self._source_set(plan.sources, out.dtype, kind)
         if sources.all_engine:  # every array's chunks, stored or not, are the engine's: nothing to sort
             eids = None
+        elif sources.all_fetched and plan.n_chunks and (plan.chunk_file >= 0).all():
+            # every chunk stored in a store: all fetched (or read from disk-cache entries), none to sort either
+            # (an array of which the engine fetches chunks also has it fill them: no chunk is the Python path's)
+            self._fetch(job, np.arange(plan.n_chunks), kind, sources)
+            return
         else:
             mine = sources.info[plan.chunk_source]
             stored = plan.chunk_file >= 0
@@ -764,8 +772,11 @@ class NativeDecoder:
         stamps = np.array([table.stamp_of(kv) for kv in stores], np.int64)
         settled = np.array([getattr(kv, "settled", 0) for kv in stores], np.int64)
         now = time.monotonic()
-        owner = store_of[plan.chunk_source[asked]]
-        slots = table.find(_entry_keys(plan, asked, sources), stamps[owner], settled[owner], now)
+        if len(stores) == 1:  # (the usual batch: its arrays in one bucket) each chunk's store's, as one number
+            slots = table.find(_entry_keys(plan, asked, sources), stamps[0], settled[0], now)
+        else:
+            owner = store_of[plan.chunk_source[asked]]
+            slots = table.find(_entry_keys(plan, asked, sources), stamps[owner], settled[owner], now)
         hit = slots >= 0
         blobs, plens, ilens = table.entries(slots[hit])
         eids = asked[hit]

@@ -115,7 +115,8 @@ class EntryTable:
     def find(self, keys: np.ndarray, stamps: np.ndarray, settled: np.ndarray, now: float) -> np.ndarray:
         """The slot of each of ``keys`` (``(n, 4)`` int64) whose entry may be read now, else -1: the same key, kept
         under ``stamps`` (each key's store's number now: :meth:`stamp_of`), within its staleness bound at
-        ``now`` and written (its ticket at most ``settled``, each key's disk cache's count). A few numpy steps."""
+        ``now`` and written (its ticket at most ``settled``, each key's disk cache's count). ``stamps`` and
+        ``settled`` may each be one number, for keys all of one store. A few numpy steps."""
         n = len(keys)
         if self.keys is None or not n:
             return np.full(n, -1, np.int64)

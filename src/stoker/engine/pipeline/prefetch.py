@@ -300,8 +300,8 @@ def revalidate_ahead(samples: Sequence[Any], reader_of: Callable[[str], Any],
     """
     asks: dict[int, tuple[Any, dict]] = {}
     skip: dict[int, bool] = {}  # per reader: a current, complete listing holds it, so nothing to ask
-    # per store (many arrays share one): its revalidate and fresh_until, looked up once a call, not once an array
-    methods: dict[int, tuple[Any, Any]] = {}
+    # per store (many arrays share one): its revalidate, fresh_until and listed, looked up once a call
+    methods: dict[int, tuple[Any, Any, Any]] = {}
     n = 0
     now = time.monotonic()
     for sample in samples:
@@ -314,14 +314,15 @@ def revalidate_ahead(samples: Sequence[Any], reader_of: Callable[[str], Any],
                     continue
                 got = methods.get(id(reader.kv))
                 if got is None:
-                    got = methods[id(reader.kv)] = (getattr(reader.kv, "revalidate", None),
-                                                    getattr(reader.kv, "fresh_until", None))
-                revalidate, fresh_until = got
+                    kv = reader.kv  # (a PrefetchStore reaches these through its __getattr__: once a call)
+                    got = methods[id(kv)] = (getattr(kv, "revalidate", None), getattr(kv, "fresh_until", None),
+                                             getattr(kv, "listed", None))
+                revalidate, fresh_until, listed_of = got
                 if revalidate is None:
                     continue
                 listed = skip.get(id(reader))
-                if listed is None:
-                    listed = skip[id(reader)] = listed_whole(reader)  # once a call and array
+                if listed is None:  # once a call and array (see listed_whole)
+                    listed = skip[id(reader)] = listed_of is not None and bool(listed_of(reader.path))
                 if listed:
                     continue
                 meta = reader.metadata
