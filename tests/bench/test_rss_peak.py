@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import mmap
 import sys
 import threading
 import time
@@ -36,9 +37,14 @@ def _no_collections():
 
 
 def _touch(nbytes: int) -> None:
-    """Make ``nbytes`` resident a moment (every page written), then free them (munmap: malloc maps them)."""
-    block = np.ones(nbytes, np.uint8)
-    del block
+    """Make ``nbytes`` resident a moment (every page written), then unmap them. A mapping of its own, not
+    malloc's: after some other test of the process (or a library it loaded) changed malloc's settings, a large
+    block came from heap pages already resident, the resident size never rose, and both tests below failed in
+    a full suite's worker (its peak 4 KiB over its base)."""
+    with mmap.mmap(-1, nbytes) as block:
+        view = np.frombuffer(block, np.uint8)
+        view.fill(1)
+        del view
 
 
 def test_a_moments_allocation_is_the_peak_and_an_earlier_one_is_not():
