@@ -564,3 +564,27 @@ def test_plan_rows_take_buffers_that_give_no_strides():
     eids = np.array([2, 0], np.int64)
     want = native.chunk_rows(info, *cols, eids, False)
     assert native.chunk_rows(_ctypes_copy(info), *(_ctypes_copy(c) for c in cols), _ctypes_copy(eids), False) == want
+
+
+def test_chunk_rows_refuses_plan_columns_whose_rows_share_memory():
+    """chunk_rows read its plan columns as views and, without eids, copied n rows of each: eight
+    np.broadcast_to columns of 2**24 rows (8 bytes each) made a 1.5 GiB result, and a 3-row broadcast was
+    taken silently, where copy_rows refuses such columns. Columns whose rows share memory are refused alike."""
+    info = np.zeros((1, native.N_INFO_COLS), np.int64)
+    for n in (3, 2**24):
+        cols = [np.broadcast_to(np.int64(0), (n,)) for _ in range(native.N_PLAN_COLS)]
+        with pytest.raises(ValueError, match="share memory"):
+            native.chunk_rows(info, *cols, None, False)
+    window = np.lib.stride_tricks.sliding_window_view(np.zeros(4, np.int64), 2)[:, 0]  # strided, apart: taken
+    cols = [np.zeros(3, np.int64)] * (native.N_PLAN_COLS - 1) + [window]
+    assert len(native.chunk_rows(info, *cols, None, False)) == 3 * native.N_CHUNK_COLS * 8
+
+
+def test_a_stride_of_the_most_negative_value_is_refused_without_overflow():
+    """copy_rows' columns: a stride of -2**63 on an axis of two rows was negated as a signed number (undefined
+    behaviour, which the sanitizers report); its magnitude is taken unsigned, and it is refused."""
+    src = np.zeros(4, np.int64)
+    col = np.lib.stride_tricks.as_strided(src, shape=(2,), strides=(-2**63,))
+    row, box, ext = np.zeros(2, np.int64), np.zeros((2, 1), np.int64), np.ones((2, 1), np.int64)
+    with pytest.raises(ValueError, match="share memory"):
+        native.copy_rows(col, row, box, ext, 8, np.array([1], np.int64))

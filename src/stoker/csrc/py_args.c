@@ -76,31 +76,41 @@ void buffer_strides(const Py_buffer *b, Py_ssize_t *out) {
     }
 }
 
-/* Whether no two of b's elements (8 bytes each; 1 or 2 axes) share a byte: axes of more than one element, the
- * finer stride first, each step at least what the finer axis spans. Then the buffer's logical size (b.len)
- * is memory it holds. A zero stride (np.broadcast_to) or overlapping rows (sliding_window_view) fail: there a
- * few bytes can claim any size, and a copy by the logical size would allocate and write it all. */
-static int apart(const Py_buffer *b, const Py_ssize_t *strides) {
-    long long step[2], count[2];
+/* Whether no two of b's elements share a byte (strides: buffer_strides'): its axes of more than one element,
+ * by increasing stride magnitude, each step at least the span of the axes before it (the item's size, first).
+ * Then b's logical size (b.len) is memory it holds. A zero stride (np.broadcast_to) or overlapping rows
+ * (sliding_window_view) fail: there a few bytes can claim any size, and a copy or walk by the logical size
+ * would allocate, write or visit it all. Magnitudes are unsigned (a stride of -2**63 has one); a span past
+ * PY_SSIZE_T_MAX bytes fails (no buffer holds it: such strides point outside any). Some layouts that
+ * interleave without sharing (strides (3, 2) over bytes, shape (2, 3)) fail too: stoker makes none. */
+int buffer_apart(const Py_buffer *b, const Py_ssize_t *strides) {
+    enum { MAXD = 64 };
+    unsigned long long step[MAXD], count[MAXD], span = (unsigned long long)b->itemsize;
     int k = 0;
+    if (b->ndim > MAXD)
+        return 0;
     for (int i = 0; i < b->ndim; i++) {
-        if (b->shape[i] > 1) {
-            step[k] = strides[i] < 0 ? -(long long)strides[i] : (long long)strides[i];
-            count[k++] = b->shape[i];
+        if (b->shape[i] < 2)
+            continue; /* one place on it: its stride places nothing */
+        unsigned long long s = strides[i] < 0 ? 0ULL - (unsigned long long)strides[i] : (unsigned long long)strides[i];
+        int at = k++;
+        while (at > 0 && step[at - 1] > s) { /* insertion by magnitude (at most 64) */
+            step[at] = step[at - 1], count[at] = count[at - 1];
+            at--;
         }
+        step[at] = s, count[at] = (unsigned long long)b->shape[i];
     }
-    if (k == 2 && step[0] > step[1]) {
-        long long t = step[0];
-        step[0] = step[1], step[1] = t;
-        t = count[0];
-        count[0] = count[1], count[1] = t;
+    for (int i = 0; i < k; i++) {
+        unsigned long long reach;
+        if (step[i] < span || __builtin_mul_overflow(count[i] - 1, step[i], &reach) ||
+            __builtin_add_overflow(span, reach, &span) || span > (unsigned long long)PY_SSIZE_T_MAX)
+            return 0;
     }
-    /* step[1] >= step[0] * count[0], divided: the product may pass long long (floor division keeps it exact) */
-    return (k < 1 || step[0] >= 8) && (k < 2 || step[1] / count[0] >= step[0]);
+    return 1;
 }
 
 /* obj's 8-byte integers, a 1-d buffer (cols 0) or an n x cols one, with any strides (numpy's column views of
- * a table) whose elements do not share memory (apart), copied in C order into *out (free it); *n its rows.
+ * a table) whose elements do not share memory (buffer_apart), copied in C order into *out (free it); *n its rows.
  * 0, or -1 with an exception set. */
 int int64_matrix(PyObject *obj, long long cols, long long *n, int64_t **out, const char *what) {
     Py_buffer b;
@@ -116,14 +126,14 @@ int int64_matrix(PyObject *obj, long long cols, long long *n, int64_t **out, con
     }
     Py_ssize_t strides[2] = {0, 0}; /* (ndim 1 or 2, checked above) */
     buffer_strides(&b, strides);
-    if (!apart(&b, strides)) {
+    if (!buffer_apart(&b, strides)) {
         PyBuffer_Release(&b);
-        PyErr_Format(PyExc_ValueError, "%s repeats values in memory (a zero stride, as np.broadcast_to makes, or "
-                     "rows that overlap): pass np.ascontiguousarray(...) of it", what);
+        PyErr_Format(PyExc_ValueError, "%s repeats values in memory (its elements share memory: a zero stride, as "
+                     "np.broadcast_to makes, or rows that overlap): pass np.ascontiguousarray(...) of it", what);
         return -1;
     }
     long long rows = b.shape[0], w = cols ? cols : 1;
-    /* rows * w * 8 == b.len, bytes the buffer holds (apart): bounded by the caller's memory */
+    /* rows * w * 8 == b.len, bytes the buffer holds (buffer_apart): bounded by the caller's memory */
     int64_t *o = malloc(sizeof(int64_t) * (size_t)(rows * w + 1));
     if (o == NULL) {
         PyBuffer_Release(&b);

@@ -16,6 +16,7 @@ PyObject *error_type(const char *error);
 char native_type(const Py_buffer *b);
 int native_words(const Py_buffer *b);
 void buffer_strides(const Py_buffer *b, Py_ssize_t *out);
+int buffer_apart(const Py_buffer *b, const Py_ssize_t *strides);
 int int64_buffers(PyObject *const *objs, Py_buffer *b, int n, const char *who);
 int int64_matrix(PyObject *obj, long long cols, long long *n, int64_t **out, const char *what);
 

@@ -114,6 +114,12 @@ static PyObject *chunk_rows_py(PyObject *Py_UNUSED(self), PyObject *args) {
         }
         n = b->shape[0];
         buffer_strides(b, &steps[held]);
+        if (!buffer_apart(b, &steps[held])) { /* else n rows copied from a few bytes (np.broadcast_to): any size */
+            PyBuffer_Release(b);
+            PyErr_SetString(PyExc_ValueError, "a plan column's rows share memory (a zero stride, as np.broadcast_to "
+                                              "makes, or rows that overlap): pass np.ascontiguousarray(...) of it");
+            goto done;
+        }
     }
     if (eids_obj == Py_None)
         n_rows = n;
