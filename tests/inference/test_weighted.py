@@ -300,3 +300,34 @@ def test_an_output_of_no_voxel_returns_at_once(shape):
     out = _ctypes_floats(shape, ctypes.c_float)
     assert memoryview(out).shape == shape and memoryview(out).nbytes == 0
     assert weighted.native_mean(out, ()) is None
+
+
+@compiled
+@pytest.mark.timeout(60, method="thread")  # (a hang is in C, the GIL released: the signal method never fires)
+@pytest.mark.parametrize("shape", [(1, 2**59), (1, 2**58), (2**20, 2**21, 1)])
+def test_an_output_whose_elements_share_memory_is_refused(shape):
+    """blend_mean took any writable output: one of zero strides claims any extents over a few bytes. Its rows'
+    scratch ((1, 2**59): 2**59 x 32 bytes) wrapped size_t, a small allocation then written past its end (a
+    segfault); (2**20, 2**21, 1) walked 2**41 rows with the GIL released (a hang). An output whose elements share
+    memory (a zero stride, overlapping axes) is refused now, before any of it, and nothing is written."""
+    base = np.zeros(4, np.float32)
+    out = np.lib.stride_tricks.as_strided(base, shape=shape, strides=(0,) * len(shape))
+    spatial = tuple(min(4, e) for e in shape[1:])
+    part = (np.ones((shape[0],) + spatial, np.float32), (0,) * len(spatial), tuple(np.ones(e) for e in spatial))
+    for parts in ([part], []) if shape[0] == 1 else ([],):
+        with pytest.raises(ValueError, match="share memory"):
+            weighted.native_mean(out, parts)
+    assert not base.any()
+
+
+@compiled
+def test_an_output_of_interleaved_axes_that_do_not_overlap_blends_as_its_copy():
+    """An output whose axes interleave without sharing a byte (strides (16, 40) bytes over float64: elements at
+    0, 16, 32, 40, 56, 72) is not refused by the check above, and blends as a contiguous copy of it does."""
+    base = np.zeros(10, np.float64)
+    out = np.lib.stride_tricks.as_strided(base, shape=(1, 3, 2), strides=(0, 16, 40))
+    part = (np.arange(1, 7, dtype=np.float64).reshape(1, 3, 2), (0, 0), (np.ones(3), np.ones(2)))
+    want = np.zeros((1, 3, 2), np.float64)
+    weighted.native_mean(want, [part])
+    weighted.native_mean(out, [part])
+    assert np.array_equal(out, want) and base.tolist() == [1, 0, 3, 0, 5, 2, 0, 4, 0, 6]

@@ -233,11 +233,17 @@ static PyObject *blend_mean_py(PyObject *Py_UNUSED(self), PyObject *args) {
     }
     /* An output of no voxel (an extent 0) has nothing to write, whatever its other extents claim: an empty
      * buffer may claim any (ctypes' (c_float * 0) * 2**31 * 2**31), and blend_rows would walk 2**62 rows of
-     * nothing, or multiply extents past Py_ssize_t before meeting the 0. Else their product is the voxels of a
-     * buffer that exists, never wrapped. */
+     * nothing, or multiply extents past Py_ssize_t before meeting the 0. Else its elements must not share
+     * memory (buffer_apart): a zero-stride output also claims any extents over a few bytes (its rows' scratch
+     * wrapped size_t; 2**41 rows walked). Then the product of its extents is the voxels of a buffer that exists. */
     for (int a = 0; a < nd; a++)
         if (out.shape[a] == 0)
             goto done;
+    if (!buffer_apart(&out, ostrides)) {
+        PyErr_SetString(PyExc_ValueError, "blend_mean: the output's elements share memory (a zero stride, or axes "
+                                          "that overlap): pass an array that holds each of its voxels");
+        goto done;
+    }
     Py_ssize_t voxels = 1;
     for (int a = 0; a < nd; a++)
         if (out.shape[a] < 0 || __builtin_mul_overflow(voxels, out.shape[a], &voxels)) {
@@ -245,6 +251,10 @@ static PyObject *blend_mean_py(PyObject *Py_UNUSED(self), PyObject *args) {
             goto done;
         }
     const Py_ssize_t n = out.shape[nd - 1]; /* a row's voxels (blend_rows) */
+    if ((size_t)n > PY_SSIZE_T_MAX / (4 * sizeof *scratch)) { /* (held: n elements exist; kept for the product) */
+        PyErr_NoMemory();
+        goto done;
+    }
     scratch = PyMem_RawMalloc((size_t)n * 4 * sizeof *scratch);
     if (scratch == NULL) {
         PyErr_NoMemory();
