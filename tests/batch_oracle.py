@@ -76,3 +76,43 @@ def padded(data: np.ndarray, box, mode: str, fill) -> np.ndarray:
     kw = {"constant_values": fill if mode == "fill" else 0} if mode in ("zero", "fill") else {}
     out = np.pad(data, list(zip(before, after)), mode=NUMPY_MODE[mode], **kw)
     return out[tuple(slice(a + k, b + k) for (a, b), k in zip(box, before))]
+
+
+def values_of(rng: np.random.Generator, shape, dtype: np.dtype) -> np.ndarray:
+    """Values to write into an array of ``dtype`` (either byte order): full-range integers or a few small ones;
+    floats with NaN, infinities and -0.0 among them (the layout oracles, tests/engine and tests/reader)."""
+    nt = np.dtype(dtype).newbyteorder("=")
+    if nt.kind == "b":
+        return rng.integers(0, 2, size=shape).astype(bool)
+    if nt.kind in "iu":
+        info = np.iinfo(nt)
+        if rng.random() < 0.5:
+            return rng.integers(info.min, info.max, size=shape, dtype=nt, endpoint=True).astype(dtype)
+        return rng.integers(0, 5, size=shape).astype(dtype)
+    v = rng.standard_normal(shape) * 100
+    special = rng.random(shape) < 0.05
+    v[special] = rng.choice([np.nan, np.inf, -np.inf, -0.0], size=int(special.sum()))
+    return (v + 1j * v[::-1] if nt.kind == "c" else v).astype(dtype)
+
+
+def blend_reference(out: np.ndarray, parts) -> np.ndarray:
+    """numpy's blend of ``parts`` ((values, offsets, windows), lanes first) into a copy of ``out``: float64 sums
+    of w * v and of w from 0.0 in the parts' order (w the outer product of the windows, as blend.weights makes
+    it), the quotient cast; a voxel one part covers, its value cast; none, as it was (inference/weighted.py's
+    rules, which the compiled blend_mean keeps bit for bit)."""
+    got = out.copy()
+    acc, wsum, last = np.zeros(out.shape), np.zeros(out.shape[1:]), np.zeros(out.shape)
+    count = np.zeros(out.shape[1:], int)
+    for values, offsets, windows in parts:
+        w = np.ones(())
+        for win in windows:
+            w = np.multiply.outer(w, win)
+        at = tuple(slice(o, o + n) for o, n in zip(offsets, values.shape[1:]))
+        acc[(slice(None),) + at] += np.multiply(w, values, dtype=np.float64)
+        wsum[at] += w
+        count[at] += 1
+        last[(slice(None),) + at] = values
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        got[:, count >= 2] = (acc / wsum).astype(out.dtype)[:, count >= 2]
+        got[:, count == 1] = last[:, count == 1].astype(out.dtype)
+    return got

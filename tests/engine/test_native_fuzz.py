@@ -40,6 +40,7 @@ import native_testing
 import preload_shim
 from stoker.storage.diskcache import HEADER, MAGIC
 from stoker.zarr.codecs.blosc import PARTIAL_MAX_SHARE
+from batch_oracle import blend_reference as _blend_reference
 
 _LONG = os.environ.get("STOKER_FUZZ_EXAMPLES", "").strip()
 
@@ -2056,27 +2057,6 @@ def test_read_files_of_sparse_files_past_one_allocation_is_none_not_an_overflow(
 
 # ---------------------------------------------------------------------------------------------
 # blend_mean (csrc/blend.c): a TileWriter's weighted mean, from any Python arguments
-
-
-def _blend_reference(out: np.ndarray, parts) -> np.ndarray:
-    """numpy's blend (inference/weighted.py's rules): float64 sums of w * v and of w in the parts' order, their
-    quotient cast; a voxel one part covers, its value cast; none, as it was."""
-    got = out.copy()
-    acc, wsum, last = np.zeros(out.shape), np.zeros(out.shape[1:]), np.zeros(out.shape)
-    count = np.zeros(out.shape[1:], int)
-    for values, offsets, windows in parts:
-        w = np.ones(())
-        for win in windows:
-            w = np.multiply.outer(w, win)
-        at = tuple(slice(o, o + n) for o, n in zip(offsets, values.shape[1:]))
-        acc[(slice(None),) + at] += np.multiply(w, values, dtype=np.float64)
-        wsum[at] += w
-        count[at] += 1
-        last[(slice(None),) + at] = values
-    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        got[:, count >= 2] = (acc / wsum).astype(out.dtype)[:, count >= 2]
-        got[:, count == 1] = last[:, count == 1].astype(out.dtype)
-    return got
 
 
 def _blend_array(data, shape, dtype, hostile):

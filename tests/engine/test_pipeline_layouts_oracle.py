@@ -31,6 +31,7 @@ from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, GzipCodec, Sharding
 import stoker
 
 from range_server import RangeServer
+from batch_oracle import values_of as _values
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.filterwarnings("ignore::RuntimeWarning"),
               pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -47,22 +48,6 @@ V3_DTYPES = ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint
 
 def _choice(rng: np.random.Generator, options):
     return options[int(rng.integers(len(options)))]
-
-
-def _values(rng: np.random.Generator, shape, dtype: np.dtype) -> np.ndarray:
-    """Full-range integers or few small ones; floats with NaN, infinities and -0.0 among them."""
-    nt = dtype.newbyteorder("=")
-    if nt.kind == "b":
-        return rng.integers(0, 2, size=shape).astype(bool)
-    if nt.kind in "iu":
-        info = np.iinfo(nt)
-        if rng.random() < 0.5:
-            return rng.integers(info.min, info.max, size=shape, dtype=nt, endpoint=True).astype(dtype)
-        return rng.integers(0, 5, size=shape).astype(dtype)
-    v = rng.standard_normal(shape) * 100
-    special = rng.random(shape) < 0.05
-    v[special] = rng.choice([np.nan, np.inf, -np.inf, -0.0], size=int(special.sum()))
-    return (v + 1j * v[::-1] if nt.kind == "c" else v).astype(dtype)
 
 
 def _v2_fill(rng, nt: np.dtype):

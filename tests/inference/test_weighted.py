@@ -17,33 +17,10 @@ import stoker
 from stoker.inference import weighted
 from stoker.inference import writer as writer_module
 from stoker.inference.blend import window
+from batch_oracle import blend_reference as _reference
 
 pytestmark = pytest.mark.timeout(180)
 compiled = pytest.mark.skipif(weighted.native_mean is None, reason="needs the compiled engine")
-
-
-def _reference(out: np.ndarray, parts) -> np.ndarray:
-    """numpy's blend: float64 sums of w * v and of w from 0.0 in the parts' order (w the outer product of the
-    windows, as blend.weights makes it), the quotient cast; one part, its value cast; none, ``out`` as it was."""
-    got = out.copy()
-    acc = np.zeros(out.shape)
-    wsum = np.zeros(out.shape[1:])
-    count = np.zeros(out.shape[1:], int)
-    last = np.zeros(out.shape)
-    for values, offsets, windows in parts:
-        w = np.ones(())
-        for win in windows:
-            w = np.multiply.outer(w, win)
-        at = tuple(slice(o, o + n) for o, n in zip(offsets, values.shape[1:]))
-        acc[(slice(None),) + at] += np.multiply(w, values, dtype=np.float64)
-        wsum[at] += w
-        count[at] += 1
-        last[(slice(None),) + at] = values
-    with np.errstate(invalid="ignore", divide="ignore"):
-        mean = (acc / wsum).astype(out.dtype)
-    got[:, count >= 2] = mean[:, count >= 2]
-    got[:, count == 1] = last[:, count == 1].astype(out.dtype)
-    return got
 
 
 def _layout(rng, ndim: int, lanes: int, out_dtype, part_dtypes, n_parts: int, strided: bool):

@@ -59,6 +59,7 @@ from stoker.engine.hybrid.split import Shares
 from stoker.engine.pipeline import facade as pipelines
 
 from range_server import RangeServer
+from batch_oracle import values_of as _values
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.filterwarnings("ignore::RuntimeWarning"),
               pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::FutureWarning")]
@@ -288,22 +289,6 @@ def draw_layout(rng: np.random.Generator) -> dict:
 
 # ---------------------------------------------------------------------------------------------
 # Writing it
-
-
-def _values(rng, shape, dt: np.dtype) -> np.ndarray:
-    """Full-range integers or a few small ones; floats with NaN, infinities and -0.0 among them."""
-    nt = _native(dt)
-    if nt.kind == "b":
-        return rng.integers(0, 2, size=shape).astype(bool)
-    if nt.kind in "iu":
-        info = np.iinfo(nt)
-        if rng.random() < 0.5:
-            return rng.integers(info.min, info.max, size=shape, dtype=nt, endpoint=True).astype(dt)
-        return rng.integers(0, 5, size=shape).astype(dt)
-    v = rng.standard_normal(shape) * 100
-    special = rng.random(shape) < 0.05
-    v[special] = rng.choice([np.nan, np.inf, -np.inf, -0.0], size=int(special.sum()))
-    return (v + 1j * v[::-1] if nt.kind == "c" else v).astype(dt)
 
 
 def _regions(shape, unit):
