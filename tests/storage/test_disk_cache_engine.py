@@ -706,3 +706,23 @@ def test_a_batch_read_whole_from_disk_is_settled_by_its_waiter(s3, data, tmp_pat
         _batch(p, uri, data, path)  # zarr-python's values: every chunk fetched again
         assert cache.corrupt > corrupt
         assert set(finished) == {"stoker-engine-finisher"}, finished
+
+
+@pytest.mark.parametrize("path", list(ARRAYS))
+def test_a_batch_of_local_and_cached_remote_arrays_reads_both(remote, data, tmp_path, path):
+    """A batch whose samples read one array from local files and one from an object store behind the disk
+    cache (raw on a local disk, labels in a bucket) failed every batch with a TypeError: each store of the batch
+    was asked for its stamp number, and the local one has none (None into an int64 array). Both are read,
+    the remote one's entries from the disk cache in later batches, each crop equal to zarr-python's."""
+    uri, options, server = remote
+    folder, cache = cache_folder(tmp_path)
+    want = zarr_values(data, path)
+    with stoker.Pipeline(_config(options, folder, batch_size=2 * len(BOXES))) as p:
+        for _ in range(3):
+            p.push([stoker.Sample(f"{root}/{path}", box) for box in BOXES for root in (data, uri)])
+            with p.pop() as b:
+                got = [t.numpy().copy() for t in torch.from_dlpack(b)]
+            for k, crop in enumerate(got):
+                np.testing.assert_array_equal(crop, want[tuple(slice(*s) for s in BOXES[k // 2])])
+            assert cache.flush(30)
+    assert cache.hits > 0

@@ -769,7 +769,8 @@ class NativeDecoder:
         table = self._entries
         # each store's stamp number and settled writes, once a batch and before any look-up: a change after
         # them is a new number (what was found under the old one stale), a write after them found next batch
-        stamps = np.array([table.stamp_of(kv) for kv in stores], np.int64)
+        # (0, the table's "no stamp", for a store that keeps no counts: a batch's local arrays, never asked here)
+        stamps = np.array([table.stamp_of(kv) or 0 for kv in stores], np.int64)
         settled = np.array([getattr(kv, "settled", 0) for kv in stores], np.int64)
         now = time.monotonic()
         if len(stores) == 1:  # (the usual batch: its arrays in one bucket) each chunk's store's, as one number
