@@ -158,3 +158,16 @@ def test_settings_cut_short_beside_marks_are_refused(tmp_path):
     with pytest.raises(InvalidArgument, match="writer.json"):
         CompletionRecord(str(tmp_path / "out.zarr")).check_settings(
             {"shape": [8, 8], "unit": [4, 4], "dtype": "float32", "blend": "none", "crop": None})
+
+
+def test_done_of_a_record_whose_settings_are_torn_is_a_typed_error(tmp_path):
+    # a record read on its own (not through TileWriter, which checks the settings first): done() parsed
+    # writer.json directly and raised a bare JSONDecodeError for torn settings; an InvalidArgument naming the file
+    rec = CompletionRecord(str(tmp_path / "out.zarr"))
+    rec.check_settings({"shape": [8, 8], "unit": [4, 4], "dtype": "float32", "blend": "none", "crop": None})
+    rec.mark((0, 1))
+    rec.sync()
+    assert rec.done() == {(0, 1)}
+    (tmp_path / "out.zarr.tiles-done" / "writer.json").write_bytes(b'{"shape": [8')
+    with pytest.raises(InvalidArgument, match="writer.json"):
+        CompletionRecord(str(tmp_path / "out.zarr")).done()

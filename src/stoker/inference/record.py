@@ -229,10 +229,12 @@ class CompletionRecord:
     def _grid(self) -> tuple[int, ...] | None:
         """The regions per axis of the array (``writer.json``'s shape over its write unit); None before the
         record is started."""
-        blob = self._read("writer.json")
-        if blob is None:
+        saved = _parsed(self._read("writer.json"))
+        if saved is None:
             return None
-        saved = json.loads(blob)
+        if saved is _TORN:  # (TileWriter checks the settings first: this is a record read on its own)
+            raise InvalidArgument(f"{self.uri}: the completion record's settings {self.path}/writer.json are not "
+                                  "whole JSON: remove the array and its record to start over", uri=self.uri)
         return tuple(-(-int(s) // int(u)) for s, u in zip(saved["shape"], saved["unit"]))
 
 
