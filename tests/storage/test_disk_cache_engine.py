@@ -708,16 +708,35 @@ def test_a_batch_read_whole_from_disk_is_settled_by_its_waiter(s3, data, tmp_pat
         assert set(finished) == {"stoker-engine-finisher"}, finished
 
 
+def _host_executor(kind: str):
+    """The GPU decode's executors on CPU tensors (as tests/reader/test_layout_matrix.py runs them)."""
+    from stoker.engine.gpu.executor import GpuDecodeExecutor
+    from stoker.engine.hybrid.executor import HybridExecutor
+    from stoker.engine.hybrid.split import Shares
+
+    if kind == "gpu":
+        return lambda cfg, device, stats, store: GpuDecodeExecutor.on_host(cfg, stats, store)
+    return lambda cfg, device, stats, store: HybridExecutor.on_host(cfg, stats, store, shares=Shares(0.5))
+
+
+@pytest.mark.parametrize("executor", ["engine", "python", "gpu", "hybrid"])
 @pytest.mark.parametrize("path", list(ARRAYS))
-def test_a_batch_of_local_and_cached_remote_arrays_reads_both(remote, data, tmp_path, path):
+def test_a_batch_of_local_and_cached_remote_arrays_reads_both(remote, data, tmp_path, monkeypatch, path, executor):
     """A batch whose samples read one array from local files and one from an object store behind the disk
     cache (raw on a local disk, labels in a bucket) failed every batch with a TypeError: each store of the batch
     was asked for its stamp number, and the local one has none (None into an int64 array). Both are read,
-    the remote one's entries from the disk cache in later batches, each crop equal to zarr-python's."""
+    the remote one's entries from the disk cache in later batches, each crop equal to zarr-python's; by every
+    executor (the compiled engine, the Python decode path, the GPU decode's and the hybrid on CPU tensors)."""
     uri, options, server = remote
+    if executor == "python":
+        monkeypatch.setattr(native, "Engine", None)
+    elif executor != "engine":
+        from stoker.engine.pipeline import facade
+
+        monkeypatch.setattr(facade, "make_executor", _host_executor(executor))
     folder, cache = cache_folder(tmp_path)
     want = zarr_values(data, path)
-    with stoker.Pipeline(_config(options, folder, batch_size=2 * len(BOXES))) as p:
+    with stoker.Pipeline(_config(options, folder, batch_size=2 * len(BOXES), device="cpu")) as p:
         for _ in range(3):
             p.push([stoker.Sample(f"{root}/{path}", box) for box in BOXES for root in (data, uri)])
             with p.pop() as b:
