@@ -207,6 +207,12 @@ def _entry_shapes(entries: list, storage_options: dict | None = None) -> list[tu
     return shapes
 
 
+def _rank_mismatch(uri: str, sample_shape: tuple[int, ...], shape: tuple[int, ...], hint: str = "") -> RankMismatch:
+    """A sampler's error for an array of another rank than its ``sample_shape``."""
+    return RankMismatch(f"{uri}: sample_shape {sample_shape} has {len(sample_shape)} axes but the array (shape "
+                        f"{shape}) has {len(shape)} axes: give one extent per axis{hint}", uri=uri)
+
+
 class RandomCrops(SampleSource):
     """Uniform random in-bounds crops over arrays, weighted by array volume unless ``weights`` is given.
 
@@ -283,9 +289,8 @@ class RandomCrops(SampleSource):
         self.shapes = _entry_shapes(self.arrays, storage_options)
         for uri, shape in zip(self.arrays, self.shapes):
             if len(shape) != len(self.sample_shape):
-                raise RankMismatch(f"{uri}: sample_shape {self.sample_shape} has {len(self.sample_shape)} axes but "
-                                   f"the array (shape {shape}) has {len(shape)} axes: give one extent per axis (a "
-                                   "list of arrays as channels adds the channel axis itself)", uri=uri)
+                raise _rank_mismatch(uri, self.sample_shape, shape,
+                                     " (a list of arrays as channels adds the channel axis itself)")
             if self.pad is None and any(c > s for c, s in zip(self.sample_shape, shape)):
                 raise InvalidArgument(f"{uri}: shape {shape} cannot hold crops of {self.sample_shape} (pad= lets "
                                       "them reach past it)", uri=uri)
@@ -582,9 +587,7 @@ class TileGrid(SampleSource):
         self._shifted = False  # some axis ends with a tile shifted back to the border
         for uri, shape in zip(self.arrays, self.shapes):
             if len(shape) != len(self.sample_shape):
-                raise RankMismatch(f"{uri}: sample_shape {self.sample_shape} has {len(self.sample_shape)} axes but "
-                                   f"the array (shape {shape}) has {len(shape)} axes: give one extent per axis",
-                                   uri=uri)
+                raise _rank_mismatch(uri, self.sample_shape, shape)
             if self.pad is not None:  # the centres tile the axis: ceil(length / stride) of them
                 counts = tuple(-(-s // st) for s, st in zip(shape, self.stride))
             else:
