@@ -21,7 +21,6 @@ import torch
 from .datasets import write_dataset
 
 
-
 def _records_complete(base: Path, n: int) -> bool:
     """Whether ``base`` holds the ``n`` records: its marker (written last) says so."""
     try:

@@ -214,7 +214,6 @@ class CompletionRecord:
                         out.add(index)
         return out
 
-
     def _has_marks(self) -> bool:
         """Whether the record holds any mark (a line of a log, or a region's object), read or not."""
         if self.remote:
