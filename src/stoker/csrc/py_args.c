@@ -84,29 +84,15 @@ void buffer_strides(const Py_buffer *b, Py_ssize_t *out) {
  * PY_SSIZE_T_MAX bytes fails (no buffer holds it: such strides point outside any). Some layouts that
  * interleave without sharing (strides (3, 2) over bytes, shape (2, 3)) fail too: stoker makes none. */
 int buffer_apart(const Py_buffer *b, const Py_ssize_t *strides) {
-    enum { MAXD = 64 };
-    unsigned long long step[MAXD], count[MAXD], span = (unsigned long long)b->itemsize;
-    int k = 0;
-    if (b->ndim > MAXD)
+    int64_t len[STRIDES_MAX_AXES];
+    uint64_t step[STRIDES_MAX_AXES];
+    if (b->ndim > STRIDES_MAX_AXES)
         return 0;
     for (int i = 0; i < b->ndim; i++) {
-        if (b->shape[i] < 2)
-            continue; /* one place on it: its stride places nothing */
-        unsigned long long s = strides[i] < 0 ? 0ULL - (unsigned long long)strides[i] : (unsigned long long)strides[i];
-        int at = k++;
-        while (at > 0 && step[at - 1] > s) { /* insertion by magnitude (at most 64) */
-            step[at] = step[at - 1], count[at] = count[at - 1];
-            at--;
-        }
-        step[at] = s, count[at] = (unsigned long long)b->shape[i];
+        len[i] = b->shape[i];
+        step[i] = strides[i] < 0 ? 0ULL - (uint64_t)strides[i] : (uint64_t)strides[i];
     }
-    for (int i = 0; i < k; i++) {
-        unsigned long long reach;
-        if (step[i] < span || __builtin_mul_overflow(count[i] - 1, step[i], &reach) ||
-            __builtin_add_overflow(span, reach, &span) || span > (unsigned long long)PY_SSIZE_T_MAX)
-            return 0;
-    }
-    return 1;
+    return strides_apart(b->ndim, len, step, (uint64_t)b->itemsize);
 }
 
 /* obj's 8-byte integers, a 1-d buffer (cols 0) or an n x cols one, with any strides (numpy's column views of

@@ -286,6 +286,12 @@ enum { I_FILLS = 0, I_READS, I_MEMORY, I_CODEC, I_NBYTES, I_STORED, N_INFO_COLS 
  * buffer i for chunk i */
 int plan_chunk_rows(long long n_rows, const int64_t *const cols[N_PLAN_COLS], long long n_sources,
                     const int64_t *info, int fetched, int64_t *out, const char **error);
+/* Whether a layout's elements of ``item`` units lie apart: its axes of length > 1 (``len``, n <= STRIDES_MAX_AXES),
+ * taken by increasing ``step`` (stride magnitudes), each stepping at least past what the axes before it span,
+ * the span at most INT64_MAX. 1 (apart) or 0; the copies' check (plan_copy_rows) and Python buffers'
+ * (buffer_apart) */
+#define STRIDES_MAX_AXES 64
+int strides_apart(int n, const int64_t *len, const uint64_t *step, uint64_t item);
 /* the copies table (CP_* columns, COPY_COLS(ndim) a row): each copy's first element in its chunk, its first in
  * the batch (row * row_stride + box_start . dst_strides, checked against int64 overflow), its extent */
 int plan_copy_rows(int ndim, long long n_copies, const int64_t *src_offset, const int64_t *row,

@@ -77,29 +77,42 @@ static int copies_overlap(int ndim, long long n_copies, const int64_t *row, cons
         }
     }
     len[ndim] = rows, stride[ndim] = row_stride;
-    /* the axes of length > 1 by increasing stride (at most 33: insertion), each past the span of those before */
-    int order[MAX_NDIM + 1], n = 0;
+    uint64_t step[MAX_NDIM + 1];
+    int bad = 0;
     for (int a = 0; a <= ndim; a++) {
+        bad |= len[a] > 1 && stride[a] < 1; /* a stride of 0 or less on an axis of several places */
+        step[a] = (uint64_t)(stride[a] < 0 ? 0 : stride[a]);
+    }
+    if (bad || !strides_apart(ndim + 1, len, step, 1)) {
+        *error = "the batch's strides place the copies so that they overlap (a row_stride or a stride under "
+                 "what the axes within it span, or past int64)";
+        return -1;
+    }
+    return 0;
+}
+
+int strides_apart(int n, const int64_t *len, const uint64_t *step, uint64_t item) {
+    int order[STRIDES_MAX_AXES], k = 0;
+    if (n > STRIDES_MAX_AXES)
+        return 0;
+    for (int a = 0; a < n; a++) { /* the axes of length > 1 by increasing step (at most 64: insertion) */
         if (len[a] < 2)
             continue; /* one place on it: its stride places nothing */
-        int at = n++;
-        while (at > 0 && stride[order[at - 1]] > stride[a]) {
+        int at = k++;
+        while (at > 0 && step[order[at - 1]] > step[a]) {
             order[at] = order[at - 1];
             at--;
         }
         order[at] = a;
     }
-    int64_t span = 0; /* the largest place the axes so far reach */
-    for (int i = 0; i < n; i++) {
-        int64_t s = stride[order[i]], reach;
-        if (s <= span || __builtin_mul_overflow(len[order[i]] - 1, s, &reach) ||
-            __builtin_add_overflow(span, reach, &span)) {
-            *error = "the batch's strides place the copies so that they overlap (a row_stride or a stride under "
-                     "what the axes within it span, or past int64)";
-            return -1;
-        }
+    uint64_t span = item; /* the end of what the axes so far reach */
+    for (int i = 0; i < k; i++) {
+        uint64_t reach;
+        if (step[order[i]] < span || __builtin_mul_overflow((uint64_t)len[order[i]] - 1, step[order[i]], &reach) ||
+            __builtin_add_overflow(span, reach, &span) || span > (uint64_t)INT64_MAX)
+            return 0;
     }
-    return 0;
+    return 1;
 }
 
 int plan_copy_rows(int ndim, long long n_copies, const int64_t *src_offset, const int64_t *row,
