@@ -116,3 +116,15 @@ def blend_reference(out: np.ndarray, parts) -> np.ndarray:
         got[:, count >= 2] = (acc / wsum).astype(out.dtype)[:, count >= 2]
         got[:, count == 1] = last[:, count == 1].astype(out.dtype)
     return got
+
+
+def host_executor(kind: str):
+    """``pipelines.make_executor``'s stand-in running the GPU decode's executor (``"gpu"``) or the hybrid one
+    (``"hybrid"``, half of each wave's chunks each way) on CPU tensors, for a test to monkeypatch in."""
+    from stoker.engine.gpu.executor import GpuDecodeExecutor
+    from stoker.engine.hybrid.executor import HybridExecutor
+    from stoker.engine.hybrid.split import Shares
+
+    if kind == "gpu":
+        return lambda cfg, device, stats, store: GpuDecodeExecutor.on_host(cfg, stats, store)
+    return lambda cfg, device, stats, store: HybridExecutor.on_host(cfg, stats, store, shares=Shares(0.5))

@@ -53,13 +53,10 @@ from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, GzipCodec, Sharding
 
 import stoker
 from stoker.engine.cpu import native
-from stoker.engine.gpu.executor import GpuDecodeExecutor
-from stoker.engine.hybrid.executor import HybridExecutor
-from stoker.engine.hybrid.split import Shares
 from stoker.engine.pipeline import facade as pipelines
 
 from range_server import RangeServer
-from batch_oracle import values_of as _values
+from batch_oracle import host_executor, values_of as _values
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.filterwarnings("ignore::RuntimeWarning"),
               pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::FutureWarning")]
@@ -441,8 +438,8 @@ def _zip(folder: str) -> str:
 EXECUTORS = {
     "engine": None,  # the CPU executor, the compiled engine where it takes the chunks
     "python": None,  # the CPU executor's Python decode path
-    "gpu": lambda cfg, device, stats, store: GpuDecodeExecutor.on_host(cfg, stats, store),
-    "hybrid": lambda cfg, device, stats, store: HybridExecutor.on_host(cfg, stats, store, shares=Shares(0.5)),
+    "gpu": host_executor("gpu"),
+    "hybrid": host_executor("hybrid"),
 }
 
 

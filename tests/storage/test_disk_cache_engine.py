@@ -21,6 +21,7 @@ from stoker.engine.pipeline import prefetch as ahead
 from stoker.storage import cachingstore
 from stoker.storage.diskcache import DiskCache, disk_cache
 
+from batch_oracle import host_executor
 from cached_arrays import ARRAYS, BOXES, cache_folder, damage_entries, payloads, remote_fixture, upload
 from cached_arrays import check_batch as _batch, write as _write
 from store_fixtures import (FAST_REMOTE, empty_s3_fixture, range_server_fixture, read_tree, written_tree_fixture,
@@ -708,17 +709,6 @@ def test_a_batch_read_whole_from_disk_is_settled_by_its_waiter(s3, data, tmp_pat
         assert set(finished) == {"stoker-engine-finisher"}, finished
 
 
-def _host_executor(kind: str):
-    """The GPU decode's executors on CPU tensors (as tests/reader/test_layout_matrix.py runs them)."""
-    from stoker.engine.gpu.executor import GpuDecodeExecutor
-    from stoker.engine.hybrid.executor import HybridExecutor
-    from stoker.engine.hybrid.split import Shares
-
-    if kind == "gpu":
-        return lambda cfg, device, stats, store: GpuDecodeExecutor.on_host(cfg, stats, store)
-    return lambda cfg, device, stats, store: HybridExecutor.on_host(cfg, stats, store, shares=Shares(0.5))
-
-
 @pytest.mark.parametrize("executor", ["engine", "python", "gpu", "hybrid"])
 @pytest.mark.parametrize("path", list(ARRAYS))
 def test_a_batch_of_local_and_cached_remote_arrays_reads_both(remote, data, tmp_path, monkeypatch, path, executor):
@@ -733,7 +723,7 @@ def test_a_batch_of_local_and_cached_remote_arrays_reads_both(remote, data, tmp_
     elif executor != "engine":
         from stoker.engine.pipeline import facade
 
-        monkeypatch.setattr(facade, "make_executor", _host_executor(executor))
+        monkeypatch.setattr(facade, "make_executor", host_executor(executor))
     folder, cache = cache_folder(tmp_path)
     want = zarr_values(data, path)
     with stoker.Pipeline(_config(options, folder, batch_size=2 * len(BOXES), device="cpu")) as p:
