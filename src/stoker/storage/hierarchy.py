@@ -83,6 +83,9 @@ def _json_object(value: Any) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
+_UNREAD = object()  # a group of Hierarchy._groups not read yet
+
+
 def _parents(prefix: str) -> list[str]:
     """``"a/b/c"`` -> ``["a/b", "a", ""]``."""
     parts = prefix.split("/") if prefix else []
@@ -149,13 +152,19 @@ class Hierarchy:
         (v2: ``{".zarray": doc, ".zattrs": attributes}``-like dict of its documents; v3: its ``zarr.json``
         document), or None.
         Ancestors already read are asked first (no request), so the nodes of a group consolidated at its
-        top cost nothing once it was read, however deep they are."""
+        top cost nothing once it was read, however deep they are. A v2 entry is taken so only where the walk
+        below would reach it (every group between known and consolidated): a v2 group without ``.zmetadata``
+        ends the walk, and its arrays read their own documents whatever was opened before them (after a
+        top-level sibling's open, the root's possibly stale entry was taken)."""
         with self._lock:
-            known = [(g, self._groups[g]) for g in _parents(prefix) if self._groups.get(g) is not None]
-        for group, found in known:
-            hit = self._lookup(prefix, group, found)
-            if hit is not None:
-                return hit
+            chain = [(g, self._groups.get(g, _UNREAD)) for g in _parents(prefix)]
+        passable = True  # every group nearer than this one is known, consolidated and a group: the walk passes
+        for group, found in chain:
+            if found is not _UNREAD and found is not None:
+                hit = self._lookup(prefix, group, found)
+                if hit is not None and (hit[0] == 3 or passable):
+                    return hit
+            passable = passable and found is not _UNREAD and found is not None and bool(found[2])
         for level, group in enumerate(_parents(prefix)):
             if level >= MAX_LEVELS:
                 return None
