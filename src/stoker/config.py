@@ -34,6 +34,17 @@ _INTEGER_KNOBS = {"batch_size": 1, "host_buffer_bytes": 1 << 20, "device_buffer_
                   "prefetch_bytes": 0, "prefetch_requests": 1}  # knob -> least value
 
 
+def least_value(knob: str) -> int:
+    """The least value Config takes for the integer knob ``knob``, from its one table of limits: what a command
+    line flag that becomes the knob checks at parse time (``stoker bench --host-buffer-bytes``), so the two
+    never disagree.
+
+    >>> least_value("host_buffer_bytes")
+    1048576
+    """
+    return _INTEGER_KNOBS[knob]
+
+
 def usable_cpus() -> int:
     """The CPUs this process may run on: its affinity mask (taskset, numactl, cpusets), or every CPU
     where the platform has no masks (macOS, Windows). CPU quotas (Docker's ``--cpus``) do not show."""

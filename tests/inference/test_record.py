@@ -171,3 +171,22 @@ def test_done_of_a_record_whose_settings_are_torn_is_a_typed_error(tmp_path):
     (tmp_path / "out.zarr.tiles-done" / "writer.json").write_bytes(b'{"shape": [8')
     with pytest.raises(InvalidArgument, match="writer.json"):
         CompletionRecord(str(tmp_path / "out.zarr")).done()
+
+
+@pytest.mark.parametrize("beside, refused", [("summary.json", False), ("0_1.json", True)])
+def test_torn_settings_are_refused_beside_a_mark_as_done_reads_one(tmp_path, beside, refused):
+    # a .json that is no region's name (a tool's summary beside the marks) is no mark for done(), and was one
+    # for the torn-settings check, which refused a record that has none
+    folder = tmp_path / "out.zarr.tiles-done"
+    folder.mkdir()
+    (folder / "writer.json").write_bytes(b'{"shape": [8')
+    (folder / beside).write_bytes(b'{"region": [0, 1]}')
+    settings = {"shape": [8, 8], "unit": [4, 4], "dtype": "float32", "blend": "none", "crop": None}
+    rec = CompletionRecord(str(tmp_path / "out.zarr"))
+    if refused:
+        with pytest.raises(InvalidArgument, match="writer.json"):
+            rec.check_settings(settings)
+        return
+    rec.check_settings(settings)
+    assert rec.done() == set()
+    assert json.loads((folder / "writer.json").read_bytes()) == settings

@@ -185,3 +185,25 @@ def test_a_record_left_beside_a_removed_array_is_forgotten_when_it_is_made_anew(
     writer.close()
     np.testing.assert_array_equal(_read(s3, out)[:], np.full((4, 4), 5, "f4"))
     assert len(_marks(s3, out)) == 4
+
+
+@pytest.mark.parametrize("beside, refused", [("notes.txt", False), ("summary.json", False), ("0_1.json", True)])
+def test_torn_settings_of_an_s3_record_are_refused_beside_marks_only(s3, beside, refused):
+    """A record's settings torn beside an object that is no region's mark (a user's note, a tool's summary) are
+    a record never used, started again, as done() counts no mark there; beside a region's mark, refused. Any
+    object but writer.json counted as a mark, so such a record refused every restart."""
+    from stoker.inference.record import SUFFIX, CompletionRecord
+
+    uri = _uri(f"torn-{beside}.zarr")
+    key = uri.split(f"{BUCKET}/", 1)[1] + SUFFIX
+    s3.client.put_object(Bucket=BUCKET, Key=f"{key}/writer.json", Body=b'{"shape": [8')
+    s3.client.put_object(Bucket=BUCKET, Key=f"{key}/{beside}", Body=b'{"region": [0, 1]}')
+    settings = {"shape": [8, 8], "unit": [4, 4], "dtype": "float32", "blend": "none", "crop": None}
+    rec = CompletionRecord(uri, s3.options)
+    if refused:
+        with pytest.raises(stoker.InvalidArgument, match="writer.json"):
+            rec.check_settings(settings)
+        return
+    rec.check_settings(settings)
+    assert rec.done() == set()
+    assert json.loads(s3.client.get_object(Bucket=BUCKET, Key=f"{key}/writer.json")["Body"].read()) == settings

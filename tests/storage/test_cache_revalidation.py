@@ -1173,3 +1173,24 @@ def test_a_0d_arrays_one_chunk_is_kept_as_a_chunk_not_a_box(http, data, tmp_path
     assert seen and all(isinstance(k, str) for k in seen)
     ((index, held),) = asked.of(a).items()
     assert index == () and isinstance(held[0], str) and held[1] > 0
+
+
+def test_listed_checks_its_prefix_whether_or_not_anything_is_listed(s3, data, tmp_path):
+    # listed() answered False for any prefix, a path out of the store's root included, while nothing was listed
+    # (an HTTP store's, a cold cache's opens), and raised InvalidArgument for the same prefix once a listing was
+    # kept: one check, before anything else, as every other CachingStore call does
+    prefix, uri, options, kv = _warm(s3, data, tmp_path)
+    fresh = cachingstore.CachingStore(kv.store, kv.cache)  # nothing listed
+    bad = ["a/../b", "/abs", "a//b", "a\\b", "..", f"{prefix}/./plain"]
+    for prefix_ in bad:
+        with pytest.raises(stoker.InvalidArgument, match="relative key"):
+            fresh.listed(prefix_)
+    assert not fresh.listed(f"{prefix}/plain")
+    fresh.opened(f"{prefix}/plain")  # its marker is on disk: listed
+    deadline = time.monotonic() + 15
+    while not fresh.listed(f"{prefix}/plain") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert fresh.listed(f"{prefix}/plain") and fresh.listed(f"{prefix}/plain/")
+    for prefix_ in bad:
+        with pytest.raises(stoker.InvalidArgument, match="relative key"):
+            fresh.listed(prefix_)

@@ -46,14 +46,27 @@ def byte_size(text: str) -> int:
     return value
 
 
-def byte_size_at_least(least: int, named: str) -> Callable[[str], int]:
-    """An argparse ``type`` as :func:`byte_size`, taking ``least`` bytes or more (``named``: how the error
-    writes it, e.g. ``"1M"``): a flag that becomes a :class:`~stoker.Config` knob with a floor says so at
-    parse time, naming the flag, not the knob the command line does not have.
+def size_text(n: int) -> str:
+    """``n`` bytes as :func:`byte_size` reads it, with the largest suffix that divides it exactly.
 
-    >>> byte_size_at_least(1 << 20, "1M")("2M")
+    >>> size_text(1 << 20), size_text(3072), size_text(1000)
+    ('1M', '3K', '1000')
+    """
+    for suffix in ("T", "G", "M", "K"):
+        if n and n % SIZE_SUFFIXES[suffix] == 0:
+            return f"{n // SIZE_SUFFIXES[suffix]}{suffix}"
+    return str(n)
+
+
+def byte_size_at_least(least: int, named: str | None = None) -> Callable[[str], int]:
+    """An argparse ``type`` as :func:`byte_size`, taking ``least`` bytes or more (``named``: how the error
+    writes it, by default :func:`size_text`, e.g. ``"1M"``): a flag that becomes a :class:`~stoker.Config` knob
+    with a floor says so at parse time, naming the flag, not the knob the command line does not have.
+
+    >>> byte_size_at_least(1 << 20)("2M")
     2097152
     """
+    named = size_text(least) if named is None else named
 
     def parse(text: str) -> int:
         value = byte_size(text)

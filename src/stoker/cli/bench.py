@@ -10,6 +10,7 @@ import platform
 from pathlib import Path
 from typing import Callable
 
+from ..config import least_value
 from ..demo.volume import cache_dir
 from ..errors import InvalidArgument, MissingDependency
 from .args import at_least_one, byte_size, byte_size_at_least, unwritable
@@ -346,8 +347,10 @@ def add_parser(sub) -> None:
                    help="busy consumer: after each batch, every peer's consumer runs this many milliseconds of "
                         "pure Python holding the GIL, as a training step does; 'auto': as long as "
                         "tensorstore's median batch time in the scenario, measured first")
-    # Config's floor for host_buffer_bytes (config._INTEGER_KNOBS), checked before the bench prints or writes
-    p.add_argument("--host-buffer-bytes", type=byte_size_at_least(1 << 20, "1M"), default=None, metavar="SIZE",
+    # Config's floor for host_buffer_bytes, from its table (config.least_value), checked before the bench prints
+    # or writes
+    p.add_argument("--host-buffer-bytes", type=byte_size_at_least(least_value("host_buffer_bytes")), default=None,
+                   metavar="SIZE",
                    help="stoker's budget, e.g. 512M (K, M, G, T: powers of 1024; default: per scenario, batch "
                         "slots + 256 MiB)")
     p.add_argument("--data", type=lambda s: __import__("pathlib").Path(s), help="dataset directory")

@@ -192,11 +192,17 @@ class CompletionRecord:
 
     def done(self) -> set[tuple[int, ...]]:
         """The regions recorded as written."""
+        return self._marks(self._grid())
+
+    def _marks(self, grid: tuple[int, ...] | None) -> set[tuple[int, ...]]:
+        """The regions the record's marks name (of ``grid``: regions per axis; None, any): the one rule of what
+        a mark is, for :meth:`done` and the torn-settings check alike. A mark is a region's object
+        ``<i>_<j>_<k>.json`` or a whole line of a local log; any other name (a user's note, a tool's summary
+        beside them) is none."""
         if self.remote:
             names = self._store.list()  # an empty folder lists no keys (object stores have no folders)
         else:
             names = os.listdir(self.path)
-        grid = self._grid()
         out: set[tuple[int, ...]] = set()
         for name in names:
             stem, ext = os.path.splitext(name)
@@ -215,15 +221,8 @@ class CompletionRecord:
         return out
 
     def _has_marks(self) -> bool:
-        """Whether the record holds any mark (a line of a log, or a region's object), read or not."""
-        if self.remote:
-            return any(name != "writer.json" for name in self._store.list())
-        for name in os.listdir(self.path):
-            stem, ext = os.path.splitext(name)
-            if (ext == ".json" and stem != "writer") or \
-                    (name.startswith(LOG_PREFIX) and ext == LOG_SUFFIX and os.path.getsize(Path(self.path) / name)):
-                return True
-        return False
+        """Whether the record holds any mark (:meth:`_marks`' rule; of any grid: its settings are unread)."""
+        return bool(self._marks(None))
 
     def _grid(self) -> tuple[int, ...] | None:
         """The regions per axis of the array (``writer.json``'s shape over its write unit); None before the

@@ -18,6 +18,7 @@ array(['2000-01-01T00:00:00.000000000', '2000-01-01T06:00:00.000000000'], dtype=
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, Sequence
 
 import numpy as np
@@ -31,15 +32,29 @@ from ..zarr.metadata import parse_json
 from .array import MAX_METADATA_BYTES, ArrayReader, open_array
 
 # What is read once per reader is kept on it (ArrayReader.derived, the one memo a reader has: gone with it), by
-# key: "documents" (attributes, v2 stored fill value, dimension names; or the MetadataError reading them), "cf"
+# key: "documents" (attributes, v2 stored fill value, dimension names; or the _Failed reading them), "cf"
 # (coding), ("coordinate", name) (a dimension's labels, None where it has none) and "coordinates" (all of them).
 # Two threads working one out at once both read it and keep the same (equal) answer: a dict's item set is
 # atomic, no lock needed.
 _MISSING = object()
 
+#: How long a MetadataError reading an array's documents is kept on its reader (raised again with no request)
+#: before the next asker reads them anew. Kept: a malformed ``_ARRAY_DIMENSIONS`` is asked for by the CF reader
+#: and each group's channel check, a request each. Not for ever: a reply a faulty server or proxy cut short
+#: twice running reads as a malformed document too, and the server may answer whole a while later.
+KEEP_ERROR_S = 60.0
 
-def _read(reader: ArrayReader, name: str) -> dict | None:
-    key = f"{reader.path}/{name}" if reader.path else name
+
+class _Failed:
+    """A MetadataError kept on a reader (``derived["documents"]``), raised at ``at`` (``time.monotonic()``)."""
+
+    __slots__ = ("error", "at")
+
+    def __init__(self, error: MetadataError, at: float) -> None:
+        self.error, self.at = error, at
+
+
+def _get(reader: ArrayReader, key: str) -> bytes | None:
     try:
         raw = reader.kv.get(key)
     except NotFound:
@@ -49,9 +64,27 @@ def _read(reader: ArrayReader, name: str) -> dict | None:
             return None
         raise
     if len(raw) > MAX_METADATA_BYTES:
-        raise MetadataError(f"{reader.uri}: {name} is {len(raw)} bytes, more than the {MAX_METADATA_BYTES} bytes "
-                            "stoker reads as Zarr metadata", uri=reader.uri)
-    return parse_json(bytes(raw), reader.uri, name)
+        raise MetadataError(f"{reader.uri}: {key.rsplit('/', 1)[-1]} is {len(raw)} bytes, more than the "
+                            f"{MAX_METADATA_BYTES} bytes stoker reads as Zarr metadata", uri=reader.uri)
+    return bytes(raw)
+
+
+def _read(reader: ArrayReader, name: str) -> dict | None:
+    """The document ``name`` of the array, None where it has none. One that is no JSON object is read once
+    more: a reply cut short with headers that agree on fewer bytes (a faulty server or proxy) cannot be told
+    from a malformed document by its bytes, but its second reply differs; the same bytes twice are the
+    document, a MetadataError."""
+    key = f"{reader.path}/{name}" if reader.path else name
+    raw = _get(reader, key)
+    if raw is None:
+        return None
+    try:
+        return parse_json(raw, reader.uri, name)
+    except MetadataError:
+        again = _get(reader, key)
+        if again == raw:
+            raise
+    return None if again is None else parse_json(again, reader.uri, name)
 
 
 def _consolidated(reader: ArrayReader, stores: Stores | None, options: dict | None) -> dict | None:
@@ -73,18 +106,21 @@ def _documents_of(reader: ArrayReader, stores: Stores | None = None,
                   options: dict | None = None) -> tuple[dict, Any, tuple | None]:
     """``(attributes, v2 stored fill value, dimension names)`` of ``reader``'s array, read once: from the
     consolidated metadata of ``stores`` (those it was opened in, with its ``options``) where its group has
-    it, else its own documents. A MetadataError (the documents hold what no read changes) is kept as the answer
-    too and raised again, so a remote array's malformed ``_ARRAY_DIMENSIONS`` costs one request however many
-    ask (the CF reader, each group's channel-order check); a StorageError is not kept: the next asker retries."""
+    it, else its own documents. A MetadataError is kept as the answer too and raised again for
+    :data:`KEEP_ERROR_S`, so a remote array's malformed ``_ARRAY_DIMENSIONS`` costs one request however many
+    ask (the CF reader, each group's channel-order check) in that time, and is read anew after it (a reply cut
+    short twice running is not kept for the reader's life); a StorageError is not kept: the next asker retries."""
     got = reader.derived.get("documents")
-    if isinstance(got, MetadataError):
-        raise got
+    if isinstance(got, _Failed):
+        if time.monotonic() - got.at < KEEP_ERROR_S:
+            raise got.error
+        got = None
     if got is not None:
         return got
     try:
         got = _read_documents(reader, stores, options)
     except MetadataError as exc:
-        reader.derived["documents"] = exc
+        reader.derived["documents"] = _Failed(exc, time.monotonic())
         raise
     reader.derived["documents"] = got
     return got

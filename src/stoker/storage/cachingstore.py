@@ -236,9 +236,11 @@ class CachingStore:
 
         >>> kv.opened("g.zarr/a"); kv.listed("g.zarr/a")   # False until its last page came
         """
+        # checked first, listed or not: a bad prefix is the caller's error whatever the store has listed (a
+        # split and a scan: cheap enough for a call per array of every batch)
+        prefix = check_prefix(prefix)
         if not self._listings:  # nothing listed (HTTP; a cold cache's opens): asked per array of every batch
             return False
-        prefix = check_prefix(prefix)
         now = time.monotonic()
         with self._lock:
             listing = self._listing_of(prefix + "/")
