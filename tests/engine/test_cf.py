@@ -237,6 +237,31 @@ def test_packed_wide_values_equal_xarray_without_lossy_casts(tmp_path, decode_pa
         assert torch.equal(got[~torch.isnan(got)], want[~torch.isnan(want)]), (got, want)
 
 
+def test_packed_int16_into_f16_is_rounded_once(tmp_path, decode_path):
+    """An int16 variable packed by xarray into an f16 batch is xarray's float64 values rounded once, as NumPy
+    casts them (the rule of "f16" outputs, and what the float64 work slots of wider packed arrays give): it
+    was decoded into a float32 work slot (rounded to nearest) and rounded again into float16, so a value just
+    past a float16 tie that float32 rounds onto the tie went to even, the wrong way: 281.125001 became 281.0,
+    not 281.25 (here 30 of 80 values). Fills stay NaN."""
+    stored = np.arange(40, dtype=np.int16).reshape(4, 10)
+    stored[3, 9] = -32768
+    path = str(tmp_path / "ties.zarr")
+    ds = xr.Dataset({"v": (("y", "x"), stored)})
+    ds["v"].attrs.update(scale_factor=1e-6, add_offset=281.125)
+    ds["v"].encoding.update(_FillValue=-32768, chunks=(2, 10))
+    ds.to_zarr(path, mode="w", zarr_format=3, consolidated=False)
+    ref = xr.open_zarr(path, consolidated=False)["v"].values
+    assert ref.dtype == np.float64 and ref[0, 1] == 281.125001
+    with stoker.Pipeline(_cfg(batch_size=1, dtype="f16")) as pipe:
+        pipe.push([stoker.Sample(os.path.join(path, "v"), ((0, 4), (0, 10)))])
+        got = torch.from_dlpack(pipe.pop()).clone()[0]
+    want = torch.from_numpy(ref.astype(np.float16))
+    assert float(want[0, 1]) == 281.25
+    assert torch.equal(torch.isnan(got), torch.isnan(want)) and bool(torch.isnan(got[3, 9]))
+    ok = ~torch.isnan(want)
+    assert torch.equal(got[ok], want[ok]), (got, want)
+
+
 def test_packed_wide_values_after_a_first_batch_without_are_refused(tmp_path, decode_path):
     """The work slots are sized at the first batch: a packed int32 array met later would be decoded from its
     float32 rounding, so that batch is a DtypeMismatch saying what to do, not wrong values. An executor that
