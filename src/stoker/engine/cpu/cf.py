@@ -14,9 +14,9 @@ does not hold (:func:`needs_float64`) are decoded in float64 work slots (the CPU
 output after (:func:`~stoker.engine.rounding.round_into`), else refused (:func:`check_output`); so are arrays
 of such dtypes with fills (:func:`masks_wide`: their fills compared exactly) on the CPU executor. The other
 executors compare those in float32 (a value within one float32 rounding of a fill is masked too).
-A float32 work slot of an ``"f16"`` batch without a transform takes the float64 results rounded to odd
-(:func:`round_to_odd_`): the rounding into float16 after it is then the one correctly rounded cast of the
-float64 value, as NumPy's (rounded to nearest twice, 281.125001 went to 281.0 instead of 281.25).
+A float32 work slot of an ``"f16"`` batch without a transform takes the float64 results as float32 values
+whose rounding into float16 after is the float64 value's one rounding, as NumPy casts it (:func:`round_to_odd_`;
+rounded to nearest twice, 281.125001 went to 281.0 instead of 281.25).
 
 >>> decode = row_decoder(plan, cf=True)     # None: nothing to decode in this batch
 >>> decode(batch)                           # in place
@@ -50,7 +50,7 @@ class RowDecode:
                  odd: bool = False) -> None:
         self.runs = runs
         self.channels = channels
-        self.odd = odd  # float64 results into float32 rounded to odd: the batch is rounded to float16 after
+        self.odd = odd  # the batch is rounded to float16 after: float64 results go in as round_to_odd_ says
         self.probes: list[RoundingProbe] = []  # the last call's checks of its float64 results' rounding
 
     def __call__(self, out: torch.Tensor) -> torch.Tensor:
@@ -97,7 +97,7 @@ def decode_(v: torch.Tensor, code: CFCoding, first_row: int = 0, bound: float = 
     the float64 arithmetic (:class:`~stoker.engine.rounding.RoundingProbe`: read it after the decoding) when
     there is one: none when ``v``'s dtype holds every value of magnitude ``bound`` (the decoded values'
     :func:`~stoker.engine.rounding.value_bound`; inf: unknown), as for int16 packed with scale_factor 0.01.
-    ``odd``: a float32 ``v`` takes the float64 results rounded to odd (it is rounded to float16 next)."""
+    ``odd``: a float32 ``v`` is rounded to float16 next (:func:`round_to_odd_`)."""
     mask, t = None, None
     for fill in code.fills:
         hit = v == fill  # in v's dtype, as numpy compares an array with a Python float
@@ -123,11 +123,24 @@ def decode_(v: torch.Tensor, code: CFCoding, first_row: int = 0, bound: float = 
 
 
 def round_to_odd_(v: torch.Tensor, t: torch.Tensor) -> None:
-    """``v`` (float32, ``t`` rounded to nearest) becomes ``t`` rounded to odd: where ``t`` is not a float32, the
-    one of its two float32 neighbours whose last bit is 1. float16 keeps 13 bits fewer than float32, so
-    rounding that to nearest is rounding ``t`` itself to nearest, once: a ``t`` just past a float16 tie that
-    rounded to nearest lands on the tie stays past it. NaN and inf (past float32: refused later) are left.
-    No test on the host of whether any value moves: on a device this is queued on the stream, without a wait."""
+    """``v`` (float32, ``t`` rounded to nearest) becomes a float32 whose rounding to float16 is ``t``'s one
+    rounding to nearest (rounded to nearest twice, a ``t`` just past a float16 tie that float32 rounds onto the
+    tie went to even, the wrong way). On a device: ``t`` rounded to odd, the one of its two float32 neighbours
+    whose last bit is 1 where ``t`` is not a float32 (float16 keeps 13 bits fewer, so rounding that to nearest
+    is rounding ``t`` once), queued on the stream with no test on the host. On the CPU ``t``'s float16 itself
+    (NumPy's cast, a third of the cost of the rounding to odd there), except where that is inf and ``t`` is
+    finite: ``v`` keeps ``t``'s float32 there, so the rounding's check after names the value. NaN stays NaN."""
+    if v.device.type == "cpu":
+        with np.errstate(over="ignore"):  # past float16: inf, left out below
+            half = t.numpy().astype(np.float16)
+        np.copyto(v.numpy(), half, where=np.isfinite(half) | ~np.isfinite(t.numpy()))
+        return
+    to_odd_(v, t)
+
+
+def to_odd_(v: torch.Tensor, t: torch.Tensor) -> None:
+    """``v`` (float32, ``t`` rounded to nearest) becomes ``t`` rounded to odd (:func:`round_to_odd_`, a device's
+    way), on ``v``'s device with no test on the host."""
     near = v.double()
     moved = (near != t) & ((v.view(torch.int32) & 1) == 0) & torch.isfinite(v)
     toward = torch.where(t > near, float("inf"), float("-inf")).to(v.dtype)
