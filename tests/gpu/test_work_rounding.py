@@ -109,6 +109,24 @@ def test_values_that_round_into_f16_are_the_cpu_batches(tmp_path, executor):
         assert torch.equal(row.nan_to_num(0.5), want.nan_to_num(0.5))
 
 
+def test_cf_values_near_f16_ties_are_rounded_once(tmp_path, executor):
+    """int16 counts 0..95 packed with scale_factor 1e-6 and add_offset 281.125: 281.125001 ... lie just past a
+    float16 tie (281.125, between 281.0 and 281.25) that float32 rounds them onto; rounded to nearest in the
+    float32 work buffer and again into float16 they went to even, 281.0, on every executor. Now the batch is
+    NumPy's one rounding of xarray's float64 values (281.25), NaN at the fill."""
+    uri = _packed(tmp_path, 3, 0, 1e-6)
+    z = zarr.open_array(uri, mode="r+")
+    z[:] = np.arange(np.prod(SHAPE), dtype=np.int16).reshape(SHAPE)
+    z[0, 11] = -1
+    z.attrs.update({"add_offset": 281.125})
+    samples = [stoker.Sample(uri, ((0, 8), (0, 12))), stoker.Sample(uri, ((0, 8), (0, 12)))]
+    got = _batches(_cfg(), samples)[0][0]
+    want = torch.from_numpy(_decoded(uri, np.s_[0:8, 0:12], 1e-6, 281.125).astype(np.float16))
+    assert float(want[0, 1]) == 281.25 and bool(torch.isnan(got[0, 11]))
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    assert torch.equal(got.nan_to_num(0.5), want.nan_to_num(0.5)), (got, want)
+
+
 @pytest.mark.parametrize("out", ["f16", "bf16"])
 def test_a_transform_past_the_output_fails_naming_the_chunk_of_the_value(tmp_path, executor, out):
     """A transform (x * 2**k) that takes one value past the 16-bit output: DtypeMismatch naming the chunk the

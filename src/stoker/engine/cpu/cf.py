@@ -14,6 +14,9 @@ does not hold (:func:`needs_float64`) are decoded in float64 work slots (the CPU
 output after (:func:`~stoker.engine.rounding.round_into`), else refused (:func:`check_output`); so are arrays
 of such dtypes with fills (:func:`masks_wide`: their fills compared exactly) on the CPU executor. The other
 executors compare those in float32 (a value within one float32 rounding of a fill is masked too).
+A float32 work slot of an ``"f16"`` batch without a transform takes the float64 results as float32 values
+whose rounding into float16 after is the float64 value's one rounding, as NumPy casts it (:func:`round_to_odd_`;
+rounded to nearest twice, 281.125001 went to 281.0 instead of 281.25).
 
 >>> decode = row_decoder(plan, cf=True)     # None: nothing to decode in this batch
 >>> decode(batch)                           # in place
@@ -43,9 +46,11 @@ class RowDecode:
     bound of its decoded values (:func:`~stoker.engine.rounding.value_bound`: a run whose values the batch's
     dtype holds is not checked)."""
 
-    def __init__(self, runs: list[tuple[int, int, CFCoding, float]], channels: int | None) -> None:
+    def __init__(self, runs: list[tuple[int, int, CFCoding, float]], channels: int | None,
+                 odd: bool = False) -> None:
         self.runs = runs
         self.channels = channels
+        self.odd = odd  # the batch is rounded to float16 after: float64 results go in as round_to_odd_ says
         self.probes: list[RoundingProbe] = []  # the last call's checks of its float64 results' rounding
 
     def __call__(self, out: torch.Tensor) -> torch.Tensor:
@@ -55,7 +60,7 @@ class RowDecode:
         self.probes = []
         for start, stop, code, bound in self.runs:
             for a in range(start, min(stop, rows.shape[0]), per_piece):
-                probe = decode_(rows[a:min(stop, a + per_piece)], code, a, bound)
+                probe = decode_(rows[a:min(stop, a + per_piece)], code, a, bound, self.odd)
                 if probe is not None:
                     self.probes.append(probe)
         return out
@@ -86,11 +91,13 @@ class RowDecode:
         return DecodeThen()
 
 
-def decode_(v: torch.Tensor, code: CFCoding, first_row: int = 0, bound: float = float("inf")) -> RoundingProbe | None:
+def decode_(v: torch.Tensor, code: CFCoding, first_row: int = 0, bound: float = float("inf"),
+            odd: bool = False) -> RoundingProbe | None:
     """Decode ``v`` (floating; rows from the batch's ``first_row``) in place; the check of its rounding from
     the float64 arithmetic (:class:`~stoker.engine.rounding.RoundingProbe`: read it after the decoding) when
     there is one: none when ``v``'s dtype holds every value of magnitude ``bound`` (the decoded values'
-    :func:`~stoker.engine.rounding.value_bound`; inf: unknown), as for int16 packed with scale_factor 0.01."""
+    :func:`~stoker.engine.rounding.value_bound`; inf: unknown), as for int16 packed with scale_factor 0.01.
+    ``odd``: a float32 ``v`` is rounded to float16 next (:func:`round_to_odd_`)."""
     mask, t = None, None
     for fill in code.fills:
         hit = v == fill  # in v's dtype, as numpy compares an array with a Python float
@@ -105,6 +112,8 @@ def decode_(v: torch.Tensor, code: CFCoding, first_row: int = 0, bound: float = 
         if code.offset is not None:
             t.add_(float(np.dtype(code.arithmetic).type(code.offset)))
         v.copy_(t)
+        if odd and v.dtype == torch.float32 and t.dtype == torch.float64:
+            round_to_odd_(v, t)
     if mask is not None:
         v.masked_fill_(mask, float("nan"))
     if t is not None and t.dtype != v.dtype and not fits(bound, v.dtype):  # a finite float64 result past v's
@@ -113,9 +122,36 @@ def decode_(v: torch.Tensor, code: CFCoding, first_row: int = 0, bound: float = 
     return None
 
 
-def row_decoder(sources: Sequence[ArrayReader], samples, channels: int | None, cf: bool) -> RowDecode | None:
+def round_to_odd_(v: torch.Tensor, t: torch.Tensor) -> None:
+    """``v`` (float32, ``t`` rounded to nearest) becomes a float32 whose rounding to float16 is ``t``'s one
+    rounding to nearest (rounded to nearest twice, a ``t`` just past a float16 tie that float32 rounds onto the
+    tie went to even, the wrong way). On a device: ``t`` rounded to odd, the one of its two float32 neighbours
+    whose last bit is 1 where ``t`` is not a float32 (float16 keeps 13 bits fewer, so rounding that to nearest
+    is rounding ``t`` once), queued on the stream with no test on the host. On the CPU ``t``'s float16 itself
+    (NumPy's cast, a third of the cost of the rounding to odd there), except where that is inf and ``t`` is
+    finite: ``v`` keeps ``t``'s float32 there, so the rounding's check after names the value. NaN stays NaN."""
+    if v.device.type == "cpu":
+        with np.errstate(over="ignore"):  # past float16: inf, left out below
+            half = t.numpy().astype(np.float16)
+        np.copyto(v.numpy(), half, where=np.isfinite(half) | ~np.isfinite(t.numpy()))
+        return
+    to_odd_(v, t)
+
+
+def to_odd_(v: torch.Tensor, t: torch.Tensor) -> None:
+    """``v`` (float32, ``t`` rounded to nearest) becomes ``t`` rounded to odd (:func:`round_to_odd_`, a device's
+    way), on ``v``'s device with no test on the host."""
+    near = v.double()
+    moved = (near != t) & ((v.view(torch.int32) & 1) == 0) & torch.isfinite(v)
+    toward = torch.where(t > near, float("inf"), float("-inf")).to(v.dtype)
+    v.copy_(torch.where(moved, torch.nextafter(v, toward), v))
+
+
+def row_decoder(sources: Sequence[ArrayReader], samples, channels: int | None, cf: bool,
+                into: torch.dtype | None = None) -> RowDecode | None:
     """The decoder of a batch of ``samples`` planned over ``sources`` (a plan's: in the order of their first
-    crop), or None when ``cf`` is off or no row has a coding."""
+    crop), or None when ``cf`` is off or no row has a coding. ``into``: the dtype the decoded batch is rounded
+    to next, untransformed (None: unknown, or transformed first); float16 makes its float32 results odd."""
     if not cf:
         return None
     codes = [coding(r) for r in sources]
@@ -133,12 +169,12 @@ def row_decoder(sources: Sequence[ArrayReader], samples, channels: int | None, c
             runs[-1] = (runs[-1][0], row + 1, code, bound)
         else:
             runs.append((row, row + 1, code, bound))
-    return RowDecode(runs, channels)
+    return RowDecode(runs, channels, odd=into == torch.float16)
 
 
-def plan_decoder(plan, cf: bool) -> RowDecode | None:
+def plan_decoder(plan, cf: bool, into: torch.dtype | None = None) -> RowDecode | None:
     """:func:`row_decoder` of a :class:`~stoker.engine.planning.tables.TablePlan`."""
-    return row_decoder(plan.sources, plan.samples, plan.channels, cf)
+    return row_decoder(plan.sources, plan.samples, plan.channels, cf, into)
 
 
 def packed(reader: ArrayReader) -> bool:

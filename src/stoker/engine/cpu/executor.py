@@ -354,7 +354,10 @@ class CpuExecutor(SlotsDelivery):
         """Start making ``plan`` into ``target``; the job completes or fails. With ``Config.transform`` the
         job's completion hook runs it on the batch in its slot (its error is the job's), then casts a work
         slot's batch into the delivered slot. Arrays' CF attributes are decoded there first (:mod:`.cf`)."""
-        decode = plan_decoder(plan, self.cfg.cf)
+        # the output the decoded batch is rounded into next, where no transform comes between (an f16 batch's
+        # float32 work then takes the float64 results rounded to odd: one rounding in all, as NumPy casts)
+        into = target.slot.tensor.dtype if self.cfg.transform is None else None
+        decode = plan_decoder(plan, self.cfg.cf, into)
         if self.cfg.transform is None and decode is None and target.host_slot is target.slot:
             return self.decoders.submit(plan, target.out)  # made in the delivered slot: nothing after it
         return self.decoders.submit(plan, target.out, then=lambda job: self._transform(target, job, decode),

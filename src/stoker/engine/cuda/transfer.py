@@ -314,7 +314,8 @@ class CudaExecutor(CpuExecutor):
         return Target(host_slot.view(stage, (plan.rows, *plan.row_shape)), slot, host_slot)
 
     def submit(self, plan: TablePlan, target: Target) -> Job:
-        decode = plan_decoder(plan, self.cfg.cf)  # CF attributes, decoded on the device after the cast
+        # CF attributes, decoded on the device after the cast; rounded to odd for an untransformed f16 output
+        decode = plan_decoder(plan, self.cfg.cf, self.slots.dtype if self.cfg.transform is None else None)
         transform = self.cfg.transform if decode is None else decode.then(self.cfg.transform)
         return self.decoders.submit(plan, target.out,
                                     then=lambda job: self._to_device(target, job, transform, decode))

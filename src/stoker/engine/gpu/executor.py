@@ -1084,7 +1084,9 @@ class _Batch:
         self.batch = ex._work[:rows] if ex._work is not None else target.slot.tensor[:rows]
         self.dest = self.batch.flatten(0, 1) if self.plan.channels is not None else self.batch  # rows b * C + c
         self.sources: list[Source] = []
-        self.decode: RowDecode | None = plan_decoder(self.plan, ex.cfg.cf)  # None: no row has CF attributes
+        # None: no row has CF attributes; rounded to odd in the work buffer for an untransformed f16 output
+        self.decode: RowDecode | None = plan_decoder(self.plan, ex.cfg.cf,
+                                                     target.slot.tensor.dtype if ex.cfg.transform is None else None)
         self.error: BaseException | None = None  # a decode, placement or check error (the submitter's)
         self.end_error: BaseException | None = None  # an error of its fills, CF decoding or transform
         self.reader_error: BaseException | None = None  # the reader's (a read, the plan's sources...)
