@@ -253,3 +253,25 @@ def test_a_v2_image_consolidated_before_its_multiscales_were_written_reads_them(
     finally:
         stores.close()
         server.shutdown()
+
+
+def test_a_group_attributes_reply_cut_short_is_read_again(tmp_path):
+    """A v2 image's ``.zattrs`` reply cut short, with headers that agree (a faulty server or proxy), read as a
+    group with no attributes, kept for the stores' life: the level was no level (None) for every lookup after.
+    The document is read once more: a second reply that differs is the document."""
+    from range_server import RangeServer
+
+    _image(str(tmp_path / "img.zarr"), ["0", "1"], [1, 2], 2)
+    server = RangeServer(str(tmp_path))
+    stores = Stores()
+    uri = f"{server.url}/img.zarr/1"
+    try:
+        open_array(uri, stores=stores)
+        server.shorten(1)  # the lookup's first request: the image's .zattrs
+        got, asked = _asked(server, lambda: level_scale(uri, None, stores))
+        assert asked[:2] == ["/img.zarr/.zattrs", "/img.zarr/.zattrs"], asked
+        assert got == (1, 2, 2) == tuple(_ome_zarr_ratios(str(tmp_path / "img.zarr"))[1])
+        assert level_scale(uri, None, stores) == (1, 2, 2)
+    finally:
+        stores.close()
+        server.shutdown()

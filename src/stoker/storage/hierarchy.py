@@ -207,10 +207,21 @@ class Hierarchy:
         else:
             # never read; or no zarr.json there (known None: nor .zmetadata), so v2's own documents are left;
             # or a v2 group known by its .zmetadata, whose .zattrs is read as it is now
-            node = read_group_node(lambda name: self.read(_join(group, name), uri, optional=True),
+            node = read_group_node(lambda name: self._read_twice_if_torn(_join(group, name), uri),
                                    fmt if known is self else 2)
         with self._lock:
             return self._nodes.setdefault(key, node)
+
+    def _read_twice_if_torn(self, key: str, uri: str) -> bytes | None:
+        """The document at ``key`` (None: none), read once more where it is no JSON: a reply cut short with
+        headers that agree (a faulty server or proxy) reads as a malformed document, which a group's node keeps
+        for the store's life as "no attributes" (an OME image's ``multiscales`` lost, its levels no levels); a
+        second reply that differs is the document, the same bytes twice are it (as reader.coords reads an
+        array's attributes)."""
+        raw = self.read(key, uri, optional=True)
+        if raw is None or _json(raw) is not None or raw.strip() == b"null":
+            return raw
+        return self.read(key, uri, optional=True)
 
     def group_entries(self, group: str, uri: str) -> tuple[int, dict] | None:
         """``(zarr_format, entries)`` of the consolidated metadata of the group at ``group`` (keys relative
