@@ -134,7 +134,7 @@ class _Source:
     """What the engine's tables say of one array, made once per array and batch dtype."""
 
     __slots__ = ("row", "prefix", "codec", "nbytes", "stored", "fills", "reads", "memory", "kv", "key_prefix", "sep",
-                 "info_row", "engine_only", "spans", "uid", "file_strides", "file_grid")
+                 "info_row", "engine_only", "spans", "uid", "file_strides", "file_grid", "disk_row")
 
     def __init__(self, reader, dtype: torch.dtype, kind: int | None, budget: int) -> None:
         meta = reader.metadata
@@ -194,9 +194,20 @@ class _Source:
         self.file_grid = list(grid) if numbered else [0] * len(grid)
         self.file_strides = [math.prod(grid[i + 1:]) if numbered else 0 for i in range(len(grid))]
         self.uid = next(_UIDS) if self.memory and numbered else 0
+        # what NativeDecoder._from_disk asks of it every batch, packed once per array (a batch of samples from
+        # many arrays makes a new _SourceSet per batch, which joins these rows rather than asking each array
+        # again): whether its chunks may be read from disk-cache entries (its store has a disk cache, and an
+        # entry, read whole into a thread's scratch, fits the engine's budget), its number in the table of
+        # entries (0: none), then its grid of files and their strides (see _entry_keys)
+        room = getattr(reader.kv, "entry_files", None) is not None and \
+            self.nbytes + _ALIGN + self.stored + ENTRY_ROOM <= budget
+        self.disk_row = array("q", [int(room), self.uid if room else 0, *self.file_grid, *self.file_strides]).tobytes()
 
 
 _UIDS = itertools.count(1)  # the numbers of _Source in tables of entries (never 0: a key of no array)
+#: The columns of ``_Source.disk_row``: whether its chunks may be read from disk-cache entries, its number in
+#: the table of entries, then its grid of files' shape (DISK_GRID on, one an axis) and their strides.
+DISK_ROOM, DISK_UID, DISK_GRID = range(3)
 
 
 #: Most :class:`_Source` of local arrays kept for the process (see :func:`shared_source`); past it they are
@@ -242,8 +253,8 @@ class _SourceSet:
     their ``info`` rows (I_* columns), the sources table and path blob of ``Engine.submit``, and whether the
     engine makes every chunk of them (files it reads, no store, every element kind it fills)."""
 
-    __slots__ = ("readers", "sources", "info", "table", "blob", "all_engine", "all_fetched", "disk_room",
-                 "disk_store", "disk_stores", "disk_uid", "disk_strides", "disk_grid")
+    __slots__ = ("readers", "sources", "info", "table", "blob", "all_engine", "all_fetched", "disk",
+                 "disk_store", "disk_stores")
 
     def __init__(self, readers: list, sources: list[_Source]) -> None:
         # rows packed by each _Source, joined here: a batch of arrays new to the pipeline (many small arrays,
@@ -265,12 +276,11 @@ class _SourceSet:
             start += len(s.prefix)
         self.table = table
         self.blob = b"".join([s.prefix for s in sources])
-        self.disk_room: np.ndarray | None = None  # per array: its chunks may be read from disk entries (_from_disk)
+        # per array, its _Source.disk_row (DISK_* columns): its chunks may be read from disk entries
+        # (_from_disk), its number in the table of entries (0: none), its grid of files' shape and their strides
+        self.disk: np.ndarray | None = None
         self.disk_store: np.ndarray | None = None  # per array: the number of its store in disk_stores
         self.disk_stores: list = []  # the arrays' stores, each once, in order of first use
-        self.disk_uid: np.ndarray | None = None  # per array: its number in the table of entries (0: none)
-        self.disk_strides: np.ndarray | None = None  # per array: the strides numbering its files
-        self.disk_grid: np.ndarray | None = None  # per array: its grid of files' shape
 
     def __getitem__(self, i: int) -> _Source:
         return self.sources[i]
@@ -460,13 +470,14 @@ def _entry_keys(plan: TablePlan, ids: np.ndarray, sources: "_SourceSet") -> np.n
     number (0: one whose entries are not kept), its file's number in the array's grid of files, and the chunk's
     offset and length in it (-1, -1: the whole file). A few numpy steps, whatever the number of chunks."""
     files = plan.files[plan.chunk_file[ids]]
-    src = files[:, native.F_SOURCE]
     keys = np.empty((len(ids), 4), np.int64)
     coords = files[:, native.F_COORDS:]
+    rank = coords.shape[1]
+    disk = sources.disk[files[:, native.F_SOURCE]]  # each chunk's array's row, in one gather
     # a file's number is its own only inside the grid: one outside (never planned so) gets no key (array 0)
-    inside = ((coords >= 0) & (coords < sources.disk_grid[src])).all(axis=1)
-    keys[:, 0] = np.where(inside, sources.disk_uid[src], 0)
-    keys[:, 1] = (coords * sources.disk_strides[src]).sum(axis=1)
+    inside = ((coords >= 0) & (coords < disk[:, DISK_GRID:DISK_GRID + rank])).all(axis=1)
+    keys[:, 0] = np.where(inside, disk[:, DISK_UID], 0)
+    keys[:, 1] = (coords * disk[:, DISK_GRID + rank:]).sum(axis=1)
     keys[:, 2] = plan.chunk_offset[ids]
     keys[:, 3] = plan.chunk_length[ids]
     return keys
@@ -747,22 +758,22 @@ class NativeDecoder:
         pipeline that read the first asks its stores about no chunk."""
         plan = job.plan
         src = plan.chunk_source[ids]
-        room, store_of, stores = sources.disk_room, sources.disk_store, sources.disk_stores
-        if room is None:  # once per set of arrays (kept while they come again), not per batch
-            # an entry is read whole into a thread's scratch: the array's chunks must fit the engine's budget so
-            room = sources.disk_room = np.array(
-                [getattr(s.kv, "entry_files", None) is not None
-                 and s.nbytes + _ALIGN + s.stored + ENTRY_ROOM <= self.scratch_bytes for s in sources], bool)
-            # each array's store, numbered (many arrays of a batch share one): asked, and counted, per store
-            numbers: dict[int, int] = {}
-            store_of = sources.disk_store = np.array([numbers.setdefault(id(s.kv), len(numbers)) for s in sources],
-                                                     np.intp)
-            stores = sources.disk_stores = list({id(s.kv): s.kv for s in sources}.values())
-            sources.disk_uid = np.array([s.uid if ok else 0 for s, ok in zip(sources, room.tolist())], np.int64)
+        disk, store_of, stores = sources.disk, sources.disk_store, sources.disk_stores
+        if disk is None:  # once per set of arrays (kept while they come again): each array's row, packed once
             rank = plan.files.shape[1] - native.F_COORDS
-            sources.disk_strides = np.array([s.file_strides for s in sources], np.int64).reshape(len(sources), rank)
-            sources.disk_grid = np.array([s.file_grid for s in sources], np.int64).reshape(len(sources), rank)
-        mine = room[src]
+            disk = sources.disk = np.frombuffer(b"".join([s.disk_row for s in sources]), np.int64).reshape(
+                len(sources), DISK_GRID + 2 * rank)
+            # each array's store, numbered (many arrays of a batch share one): asked, and counted, per store
+            kvs = [s.kv for s in sources]
+            first = kvs[0]
+            if all([kv is first for kv in kvs]):  # (the usual batch: its arrays in one bucket)
+                store_of, stores = np.zeros(len(kvs), np.intp), [first]
+            else:
+                numbers: dict[int, int] = {}
+                store_of = np.array([numbers.setdefault(id(kv), len(numbers)) for kv in kvs], np.intp)
+                stores = list({id(kv): kv for kv in kvs}.values())
+            sources.disk_store, sources.disk_stores = store_of, stores
+        mine = disk[src, DISK_ROOM] != 0
         if not mine.any():
             return ids
         asked = ids[mine]
@@ -894,7 +905,7 @@ class NativeDecoder:
         nothing for blosc spans (ranges that are not a chunk's)."""
         kv = fetch.kv
         rows_of = getattr(kv, "entries_made", None)  # not entry_rows: a prefetch buffer holds what was fetched
-        if rows_of is None or sources.disk_uid is None or not (fetch.keys or fetch.inner):
+        if rows_of is None or sources.disk is None or not (fetch.keys or fetch.inner):
             return
         stamp = self._entries.stamp_of(kv)
         if not stamp:
