@@ -254,7 +254,7 @@ class _SourceSet:
     engine makes every chunk of them (files it reads, no store, every element kind it fills)."""
 
     __slots__ = ("readers", "sources", "info", "table", "blob", "all_engine", "all_fetched", "disk",
-                 "disk_store", "disk_stores")
+                 "disk_all", "disk_store", "disk_stores")
 
     def __init__(self, readers: list, sources: list[_Source]) -> None:
         # rows packed by each _Source, joined here: a batch of arrays new to the pipeline (many small arrays,
@@ -279,6 +279,7 @@ class _SourceSet:
         # per array, its _Source.disk_row (DISK_* columns): its chunks may be read from disk entries
         # (_from_disk), its number in the table of entries (0: none), its grid of files' shape and their strides
         self.disk: np.ndarray | None = None
+        self.disk_all: bool | None = None  # whether every array's chunks may be read from entries (DISK_ROOM)
         self.disk_store: np.ndarray | None = None  # per array: the number of its store in disk_stores
         self.disk_stores: list = []  # the arrays' stores, each once, in order of first use
 
@@ -773,26 +774,36 @@ class NativeDecoder:
                 store_of = np.array([numbers.setdefault(id(kv), len(numbers)) for kv in kvs], np.intp)
                 stores = list({id(kv): kv for kv in kvs}.values())
             sources.disk_store, sources.disk_stores = store_of, stores
-        mine = disk[src, DISK_ROOM] != 0
-        if not mine.any():
-            return ids
-        asked = ids[mine]
+        if sources.disk_all is None:  # (once per set) every array's chunks may be read from entries
+            sources.disk_all = bool(disk[:, DISK_ROOM].all())
+        if sources.disk_all:  # (the usual batch: a step fewer of each kind below, every batch)
+            asked = ids
+        else:
+            mine = disk[src, DISK_ROOM] != 0
+            if not mine.any():
+                return ids
+            asked = ids[mine]
         table = self._entries
         # each store's stamp number and settled writes, once a batch and before any look-up: a change after
         # them is a new number (what was found under the old one stale), a write after them found next batch
         # (0, the table's "no stamp", for a store that keeps no counts: a batch's local arrays, never asked here)
-        stamps = np.array([table.stamp_of(kv) or 0 for kv in stores], np.int64)
-        settled = np.array([getattr(kv, "settled", 0) for kv in stores], np.int64)
+        stamps = [table.stamp_of(kv) or 0 for kv in stores]
+        settled = [getattr(kv, "settled", 0) for kv in stores]
         now = time.monotonic()
         if len(stores) == 1:  # (the usual batch: its arrays in one bucket) each chunk's store's, as one number
             slots = table.find(_entry_keys(plan, asked, sources), stamps[0], settled[0], now)
         else:
             owner = store_of[plan.chunk_source[asked]]
-            slots = table.find(_entry_keys(plan, asked, sources), stamps[owner], settled[owner], now)
+            slots = table.find(_entry_keys(plan, asked, sources), np.array(stamps, np.int64)[owner],
+                               np.array(settled, np.int64)[owner], now)
         hit = slots >= 0
-        blobs, plens, ilens = table.entries(slots[hit])
-        eids = asked[hit]
-        rest = asked if not len(eids) else asked[~hit]
+        if hit.all():  # (a second epoch's batch: every chunk in the table) no step to pick the hits
+            blobs, plens, ilens = table.entries(slots)
+            eids, rest = asked, asked[:0]
+        else:
+            blobs, plens, ilens = table.entries(slots[hit])
+            eids = asked[hit]
+            rest = asked if not len(eids) else asked[~hit]
         found: list = []  # (chunk, (path, ident)) of those not in the table
         known = plan.disk_entries
         if known and len(rest):  # what the batch's prefetch found on disk when it was planned ahead
@@ -808,7 +819,7 @@ class NativeDecoder:
             by_store = store_of[plan.chunk_source[rest]]
             for k in (np.unique(by_store).tolist() if len(stores) > 1 else [0]):
                 them = rest[by_store == k] if len(stores) > 1 else rest
-                found += self._asked(plan, them, stores[k], int(stamps[k]), int(settled[k]), sources, now)
+                found += self._asked(plan, them, stores[k], stamps[k], settled[k], sources, now)
         if found:
             cids, entries = zip(*found)
             blobs += [p + i for p, i in entries]
@@ -820,7 +831,8 @@ class NativeDecoder:
         # an ident or a path (a deep cache folder) the engine's tables cannot hold: fetched instead
         fits = (ilens <= native.ENTRY_IDENT_CAP) & (plens < native.PATH_CAP)
         order = None if fits.all() else np.flatnonzero(fits)
-        if len(eids) > 1 and (eids[1:] < eids[:-1]).any():  # chunk order, as every engine call takes them
+        # chunk order, as every engine call takes them (those of the table alone are: a subset of ids, in order)
+        if found and len(eids) > 1 and (eids[1:] < eids[:-1]).any():
             by_chunk = np.argsort(eids, kind="stable")
             order = by_chunk if order is None else by_chunk[fits[by_chunk]]
         if order is not None:
@@ -830,7 +842,7 @@ class NativeDecoder:
             held = np.empty(len(blobs), object)
             held[:] = blobs
             blobs = held[order].tolist()
-        owner = store_of[plan.chunk_source[eids]]
+        owner = store_of[plan.chunk_source[eids]] if len(stores) > 1 else np.zeros(len(eids), np.intp)
         sizes = plens + ilens
         starts = np.cumsum(sizes) - sizes
         rows = np.empty((len(eids), native.N_ENTRY_COLS), np.int64)
@@ -923,9 +935,15 @@ class NativeDecoder:
         self._keep_rows(plan, chosen, rows, stamp, sources, time.monotonic())
 
     @staticmethod
-    def _served(disk: "_FromDisk", ok: np.ndarray, detail: np.ndarray) -> None:
-        """Count the chunks ``ok`` of a job read from disk-cache entries as their stores' hits, with their
-        payload bytes (``detail``): a step per store, none per chunk."""
+    def _served(disk: "_FromDisk", ok: np.ndarray | None, detail: np.ndarray) -> None:
+        """Count the chunks ``ok`` (None: all) of a job read from disk-cache entries as their stores' hits, with
+        their payload bytes (``detail``): a step per store, none per chunk."""
+        if ok is None and len(disk.stores) == 1:  # (a second epoch's batch, on the consumer's thread, in pop)
+            if len(disk.owner):
+                disk.stores[0].served_from_disk(len(disk.owner), int(detail.sum()))
+            return
+        if ok is None:
+            ok = np.ones(len(disk.owner), bool)
         counts = np.bincount(disk.owner[ok], minlength=len(disk.stores)).tolist()
         sizes = np.bincount(disk.owner[ok], weights=detail[ok], minlength=len(disk.stores)).tolist()
         for kv, n, nbytes in zip(disk.stores, counts, sizes):
@@ -1218,7 +1236,7 @@ class NativeDecoder:
                     return
                 self._account(counts, fetched=False)
                 if disk is not None:
-                    self._served(disk, np.ones(len(disk.owner), bool), np.frombuffer(detail, np.int64))
+                    self._served(disk, None, np.frombuffer(detail, np.int64))
                 self._finish_placed(job, job.plan.n_chunks, counts, fetched=False)
             except Exception as exc:  # noqa: BLE001 - a bug here must reach the consumer, not hang it
                 job.finish(0, exc)
