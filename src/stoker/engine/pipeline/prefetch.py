@@ -257,9 +257,13 @@ def indexes_ahead(samples: Sequence[Any], reader_of: Callable[[str], Any],
                if part.aabb is not None for uri in part.uris)
     for part, uri in touched:
         reader = reader_of(uri)
-        if reader is None or reader.kv.is_local or reader.metadata.sharding is None:
+        if reader is None:
             continue
         meta = reader.metadata
+        # an array without shards first (the usual one: every sample of every batch of it comes here), before
+        # asking its store whether it is local (a property through each store wrapping another)
+        if meta.sharding is None or reader.kv.is_local:
+            continue
         spans = cells_touched(part.aabb, meta.shape, meta.chunk_shape)
         if not all(spans):
             continue
