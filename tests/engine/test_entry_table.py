@@ -88,6 +88,19 @@ def test_an_array_numbered_0_or_a_store_stamped_0_is_never_kept():
     assert (_find(table, _keys(0, range(4)), stamp) == -1).all()
 
 
+def test_a_key_of_array_0_is_never_found_not_even_in_a_slot_never_kept_into():
+    # a slot never kept into holds the key (0, 0, 0, 0), whose hash is 0, as the slot's is: asked for that key
+    # (and any other of array 0) under a store stamped 0, it is still not found (its "until" is long past)
+    table, stamp, _ = _stamped()
+    _keep(table, _keys(1, range(4)), stamp)
+    zero = np.zeros((1, 4), np.int64)
+    assert (entry_table._hash(zero) == 0).all() and (table.hash == 0).sum() > 0
+    for s in (0, stamp):
+        assert (_find(table, zero, s, settled=10 ** 9) == -1).all()
+        assert (_find(table, _keys(0, range(4)), s, settled=10 ** 9) == -1).all()
+    assert (_find(table, _keys(1, range(4)), stamp) >= 0).all()
+
+
 def _stamped() -> tuple[EntryTable, int, _Store]:
     """A table, and the stamp number of a store it knows (a slot of a number it does not know is stale)."""
     table, store = EntryTable(), _Store()

@@ -676,6 +676,22 @@ def _read_through_cache(http, data, tmp_path):
     return a, _every_object(uri)
 
 
+def test_revalidate_ahead_keys_a_box_by_the_runs_of_cells_it_touches():
+    # the box record's key is built straight from the crop (every sample of a second epoch, every batch): the
+    # same runs as cells_touched's ranges, crops past either end and crops that miss an axis included
+    from stoker.engine.pipeline.prefetch import _box, cells_touched
+
+    rng = np.random.default_rng(7)
+    for _ in range(2000):
+        rank = int(rng.integers(1, 5))
+        shape = [int(x) for x in rng.integers(1, 70, rank)]
+        cell = [int(x) for x in rng.integers(1, 20, rank)]
+        lo = [int(x) for x in rng.integers(-30, 90, rank)]
+        aabb = [(a, a + int(n)) for a, n in zip(lo, rng.integers(0, 60, rank))]
+        expected = tuple((r.start, r.stop) for r in cells_touched(aabb, shape, cell))
+        assert _box(aabb, shape, cell) == expected, (aabb, shape, cell)
+
+
 def test_revalidate_ahead_skips_a_box_whose_chunks_were_all_fresh_in_one_look_up(http, data, tmp_path):
     # a second epoch asks about the same boxes again: once every chunk of a box was found fresh, the box is
     # kept with the earliest of their "until"s and skipped whole (one look-up, not one a chunk) till then;

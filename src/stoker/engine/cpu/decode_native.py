@@ -134,7 +134,7 @@ class _Source:
     """What the engine's tables say of one array, made once per array and batch dtype."""
 
     __slots__ = ("row", "prefix", "codec", "nbytes", "stored", "fills", "reads", "memory", "kv", "key_prefix", "sep",
-                 "info_row", "engine_only", "spans", "uid", "file_strides", "file_grid")
+                 "info_row", "engine_only", "spans", "uid", "file_strides", "file_grid", "disk_row")
 
     def __init__(self, reader, dtype: torch.dtype, kind: int | None, budget: int) -> None:
         meta = reader.metadata
@@ -194,9 +194,20 @@ class _Source:
         self.file_grid = list(grid) if numbered else [0] * len(grid)
         self.file_strides = [math.prod(grid[i + 1:]) if numbered else 0 for i in range(len(grid))]
         self.uid = next(_UIDS) if self.memory and numbered else 0
+        # what NativeDecoder._from_disk asks of it every batch, packed once per array (a batch of samples from
+        # many arrays makes a new _SourceSet per batch, which joins these rows rather than asking each array
+        # again): whether its chunks may be read from disk-cache entries (its store has a disk cache, and an
+        # entry, read whole into a thread's scratch, fits the engine's budget), its number in the table of
+        # entries (0: none), then its grid of files and their strides (see _entry_keys)
+        room = getattr(reader.kv, "entry_files", None) is not None and \
+            self.nbytes + _ALIGN + self.stored + ENTRY_ROOM <= budget
+        self.disk_row = array("q", [int(room), self.uid if room else 0, *self.file_grid, *self.file_strides]).tobytes()
 
 
 _UIDS = itertools.count(1)  # the numbers of _Source in tables of entries (never 0: a key of no array)
+#: The columns of ``_Source.disk_row``: whether its chunks may be read from disk-cache entries, its number in
+#: the table of entries, then its grid of files' shape (DISK_GRID on, one an axis) and their strides.
+DISK_ROOM, DISK_UID, DISK_GRID = range(3)
 
 
 #: Most :class:`_Source` of local arrays kept for the process (see :func:`shared_source`); past it they are
@@ -242,8 +253,8 @@ class _SourceSet:
     their ``info`` rows (I_* columns), the sources table and path blob of ``Engine.submit``, and whether the
     engine makes every chunk of them (files it reads, no store, every element kind it fills)."""
 
-    __slots__ = ("readers", "sources", "info", "table", "blob", "all_engine", "all_fetched", "disk_room",
-                 "disk_store", "disk_stores", "disk_uid", "disk_strides", "disk_grid")
+    __slots__ = ("readers", "sources", "info", "table", "blob", "all_engine", "all_fetched", "disk",
+                 "disk_all", "disk_store", "disk_stores")
 
     def __init__(self, readers: list, sources: list[_Source]) -> None:
         # rows packed by each _Source, joined here: a batch of arrays new to the pipeline (many small arrays,
@@ -265,12 +276,12 @@ class _SourceSet:
             start += len(s.prefix)
         self.table = table
         self.blob = b"".join([s.prefix for s in sources])
-        self.disk_room: np.ndarray | None = None  # per array: its chunks may be read from disk entries (_from_disk)
+        # per array, its _Source.disk_row (DISK_* columns): its chunks may be read from disk entries
+        # (_from_disk), its number in the table of entries (0: none), its grid of files' shape and their strides
+        self.disk: np.ndarray | None = None
+        self.disk_all: bool | None = None  # whether every array's chunks may be read from entries (DISK_ROOM)
         self.disk_store: np.ndarray | None = None  # per array: the number of its store in disk_stores
         self.disk_stores: list = []  # the arrays' stores, each once, in order of first use
-        self.disk_uid: np.ndarray | None = None  # per array: its number in the table of entries (0: none)
-        self.disk_strides: np.ndarray | None = None  # per array: the strides numbering its files
-        self.disk_grid: np.ndarray | None = None  # per array: its grid of files' shape
 
     def __getitem__(self, i: int) -> _Source:
         return self.sources[i]
@@ -460,13 +471,14 @@ def _entry_keys(plan: TablePlan, ids: np.ndarray, sources: "_SourceSet") -> np.n
     number (0: one whose entries are not kept), its file's number in the array's grid of files, and the chunk's
     offset and length in it (-1, -1: the whole file). A few numpy steps, whatever the number of chunks."""
     files = plan.files[plan.chunk_file[ids]]
-    src = files[:, native.F_SOURCE]
     keys = np.empty((len(ids), 4), np.int64)
     coords = files[:, native.F_COORDS:]
+    rank = coords.shape[1]
+    disk = sources.disk[files[:, native.F_SOURCE]]  # each chunk's array's row, in one gather
     # a file's number is its own only inside the grid: one outside (never planned so) gets no key (array 0)
-    inside = ((coords >= 0) & (coords < sources.disk_grid[src])).all(axis=1)
-    keys[:, 0] = np.where(inside, sources.disk_uid[src], 0)
-    keys[:, 1] = (coords * sources.disk_strides[src]).sum(axis=1)
+    inside = ((coords >= 0) & (coords < disk[:, DISK_GRID:DISK_GRID + rank])).all(axis=1)
+    keys[:, 0] = np.where(inside, disk[:, DISK_UID], 0)
+    keys[:, 1] = (coords * disk[:, DISK_GRID + rank:]).sum(axis=1)
     keys[:, 2] = plan.chunk_offset[ids]
     keys[:, 3] = plan.chunk_length[ids]
     return keys
@@ -747,41 +759,51 @@ class NativeDecoder:
         pipeline that read the first asks its stores about no chunk."""
         plan = job.plan
         src = plan.chunk_source[ids]
-        room, store_of, stores = sources.disk_room, sources.disk_store, sources.disk_stores
-        if room is None:  # once per set of arrays (kept while they come again), not per batch
-            # an entry is read whole into a thread's scratch: the array's chunks must fit the engine's budget so
-            room = sources.disk_room = np.array(
-                [getattr(s.kv, "entry_files", None) is not None
-                 and s.nbytes + _ALIGN + s.stored + ENTRY_ROOM <= self.scratch_bytes for s in sources], bool)
-            # each array's store, numbered (many arrays of a batch share one): asked, and counted, per store
-            numbers: dict[int, int] = {}
-            store_of = sources.disk_store = np.array([numbers.setdefault(id(s.kv), len(numbers)) for s in sources],
-                                                     np.intp)
-            stores = sources.disk_stores = list({id(s.kv): s.kv for s in sources}.values())
-            sources.disk_uid = np.array([s.uid if ok else 0 for s, ok in zip(sources, room.tolist())], np.int64)
+        disk, store_of, stores = sources.disk, sources.disk_store, sources.disk_stores
+        if disk is None:  # once per set of arrays (kept while they come again): each array's row, packed once
             rank = plan.files.shape[1] - native.F_COORDS
-            sources.disk_strides = np.array([s.file_strides for s in sources], np.int64).reshape(len(sources), rank)
-            sources.disk_grid = np.array([s.file_grid for s in sources], np.int64).reshape(len(sources), rank)
-        mine = room[src]
-        if not mine.any():
-            return ids
-        asked = ids[mine]
+            disk = sources.disk = np.frombuffer(b"".join([s.disk_row for s in sources]), np.int64).reshape(
+                len(sources), DISK_GRID + 2 * rank)
+            # each array's store, numbered (many arrays of a batch share one): asked, and counted, per store
+            kvs = [s.kv for s in sources]
+            first = kvs[0]
+            if all([kv is first for kv in kvs]):  # (the usual batch: its arrays in one bucket)
+                store_of, stores = np.zeros(len(kvs), np.intp), [first]
+            else:
+                numbers: dict[int, int] = {}
+                store_of = np.array([numbers.setdefault(id(kv), len(numbers)) for kv in kvs], np.intp)
+                stores = list({id(kv): kv for kv in kvs}.values())
+            sources.disk_store, sources.disk_stores = store_of, stores
+        if sources.disk_all is None:  # (once per set) every array's chunks may be read from entries
+            sources.disk_all = bool(disk[:, DISK_ROOM].all())
+        if sources.disk_all:  # (the usual batch: a step fewer of each kind below, every batch)
+            asked = ids
+        else:
+            mine = disk[src, DISK_ROOM] != 0
+            if not mine.any():
+                return ids
+            asked = ids[mine]
         table = self._entries
         # each store's stamp number and settled writes, once a batch and before any look-up: a change after
         # them is a new number (what was found under the old one stale), a write after them found next batch
         # (0, the table's "no stamp", for a store that keeps no counts: a batch's local arrays, never asked here)
-        stamps = np.array([table.stamp_of(kv) or 0 for kv in stores], np.int64)
-        settled = np.array([getattr(kv, "settled", 0) for kv in stores], np.int64)
+        stamps = [table.stamp_of(kv) or 0 for kv in stores]
+        settled = [getattr(kv, "settled", 0) for kv in stores]
         now = time.monotonic()
         if len(stores) == 1:  # (the usual batch: its arrays in one bucket) each chunk's store's, as one number
             slots = table.find(_entry_keys(plan, asked, sources), stamps[0], settled[0], now)
         else:
             owner = store_of[plan.chunk_source[asked]]
-            slots = table.find(_entry_keys(plan, asked, sources), stamps[owner], settled[owner], now)
+            slots = table.find(_entry_keys(plan, asked, sources), np.array(stamps, np.int64)[owner],
+                               np.array(settled, np.int64)[owner], now)
         hit = slots >= 0
-        blobs, plens, ilens = table.entries(slots[hit])
-        eids = asked[hit]
-        rest = asked if not len(eids) else asked[~hit]
+        if hit.all():  # (a second epoch's batch: every chunk in the table) no step to pick the hits
+            blobs, plens, ilens = table.entries(slots)
+            eids, rest = asked, asked[:0]
+        else:
+            blobs, plens, ilens = table.entries(slots[hit])
+            eids = asked[hit]
+            rest = asked if not len(eids) else asked[~hit]
         found: list = []  # (chunk, (path, ident)) of those not in the table
         known = plan.disk_entries
         if known and len(rest):  # what the batch's prefetch found on disk when it was planned ahead
@@ -797,7 +819,7 @@ class NativeDecoder:
             by_store = store_of[plan.chunk_source[rest]]
             for k in (np.unique(by_store).tolist() if len(stores) > 1 else [0]):
                 them = rest[by_store == k] if len(stores) > 1 else rest
-                found += self._asked(plan, them, stores[k], int(stamps[k]), int(settled[k]), sources, now)
+                found += self._asked(plan, them, stores[k], stamps[k], settled[k], sources, now)
         if found:
             cids, entries = zip(*found)
             blobs += [p + i for p, i in entries]
@@ -809,7 +831,8 @@ class NativeDecoder:
         # an ident or a path (a deep cache folder) the engine's tables cannot hold: fetched instead
         fits = (ilens <= native.ENTRY_IDENT_CAP) & (plens < native.PATH_CAP)
         order = None if fits.all() else np.flatnonzero(fits)
-        if len(eids) > 1 and (eids[1:] < eids[:-1]).any():  # chunk order, as every engine call takes them
+        # chunk order, as every engine call takes them (those of the table alone are: a subset of ids, in order)
+        if found and len(eids) > 1 and (eids[1:] < eids[:-1]).any():
             by_chunk = np.argsort(eids, kind="stable")
             order = by_chunk if order is None else by_chunk[fits[by_chunk]]
         if order is not None:
@@ -819,7 +842,7 @@ class NativeDecoder:
             held = np.empty(len(blobs), object)
             held[:] = blobs
             blobs = held[order].tolist()
-        owner = store_of[plan.chunk_source[eids]]
+        owner = store_of[plan.chunk_source[eids]] if len(stores) > 1 else np.zeros(len(eids), np.intp)
         sizes = plens + ilens
         starts = np.cumsum(sizes) - sizes
         rows = np.empty((len(eids), native.N_ENTRY_COLS), np.int64)
@@ -894,7 +917,7 @@ class NativeDecoder:
         nothing for blosc spans (ranges that are not a chunk's)."""
         kv = fetch.kv
         rows_of = getattr(kv, "entries_made", None)  # not entry_rows: a prefetch buffer holds what was fetched
-        if rows_of is None or sources.disk_uid is None or not (fetch.keys or fetch.inner):
+        if rows_of is None or sources.disk is None or not (fetch.keys or fetch.inner):
             return
         stamp = self._entries.stamp_of(kv)
         if not stamp:
@@ -912,9 +935,15 @@ class NativeDecoder:
         self._keep_rows(plan, chosen, rows, stamp, sources, time.monotonic())
 
     @staticmethod
-    def _served(disk: "_FromDisk", ok: np.ndarray, detail: np.ndarray) -> None:
-        """Count the chunks ``ok`` of a job read from disk-cache entries as their stores' hits, with their
-        payload bytes (``detail``): a step per store, none per chunk."""
+    def _served(disk: "_FromDisk", ok: np.ndarray | None, detail: np.ndarray) -> None:
+        """Count the chunks ``ok`` (None: all) of a job read from disk-cache entries as their stores' hits, with
+        their payload bytes (``detail``): a step per store, none per chunk."""
+        if ok is None and len(disk.stores) == 1:  # (a second epoch's batch, on the consumer's thread, in pop)
+            if len(disk.owner):
+                disk.stores[0].served_from_disk(len(disk.owner), int(detail.sum()))
+            return
+        if ok is None:
+            ok = np.ones(len(disk.owner), bool)
         counts = np.bincount(disk.owner[ok], minlength=len(disk.stores)).tolist()
         sizes = np.bincount(disk.owner[ok], weights=detail[ok], minlength=len(disk.stores)).tolist()
         for kv, n, nbytes in zip(disk.stores, counts, sizes):
@@ -1207,7 +1236,7 @@ class NativeDecoder:
                     return
                 self._account(counts, fetched=False)
                 if disk is not None:
-                    self._served(disk, np.ones(len(disk.owner), bool), np.frombuffer(detail, np.int64))
+                    self._served(disk, None, np.frombuffer(detail, np.int64))
                 self._finish_placed(job, job.plan.n_chunks, counts, fetched=False)
             except Exception as exc:  # noqa: BLE001 - a bug here must reach the consumer, not hang it
                 job.finish(0, exc)

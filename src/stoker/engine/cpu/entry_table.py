@@ -128,8 +128,10 @@ class EntryTable:
             slot = sets * WAYS + (self.hash.reshape(-1, WAYS)[sets] == h[:, None]).argmax(axis=1)
             got = self.rec.take(slot, axis=0)
             until = self.until.take(slot)
-        ok = (got[:, :KEY_COLUMNS] == keys).all(axis=1) & (keys[:, 0] != 0) & (got[:, _STAMP] == stamps) & \
-            (until > now) & (got[:, _TICKET] <= settled)
+        # a key of array 0 (never kept) matches no slot: a slot whose key is of array 0 was never kept into, and
+        # its "until" (0.0) is past, so it fails the check of "until" (one step less than asking of each key)
+        ok = (got[:, :KEY_COLUMNS] == keys).all(axis=1) & (got[:, _STAMP] == stamps) & (until > now) & \
+            (got[:, _TICKET] <= settled)
         return np.where(ok, slot, -1)
 
     def entries(self, slots: np.ndarray) -> tuple[list[bytes], np.ndarray, np.ndarray]:

@@ -257,9 +257,13 @@ def indexes_ahead(samples: Sequence[Any], reader_of: Callable[[str], Any],
                if part.aabb is not None for uri in part.uris)
     for part, uri in touched:
         reader = reader_of(uri)
-        if reader is None or reader.kv.is_local or reader.metadata.sharding is None:
+        if reader is None:
             continue
         meta = reader.metadata
+        # an array without shards first (the usual one: every sample of every batch of it comes here), before
+        # asking its store whether it is local (a property through each store wrapping another)
+        if meta.sharding is None or reader.kv.is_local:
+            continue
         spans = cells_touched(part.aabb, meta.shape, meta.chunk_shape)
         if not all(spans):
             continue
@@ -271,6 +275,23 @@ def indexes_ahead(samples: Sequence[Any], reader_of: Callable[[str], Any],
         if len(wanted) >= MAX_INDEXES_AHEAD:
             break
     return start_shard_entries(list(wanted.values()), run)
+
+
+def _box(aabb, shape, cell) -> tuple:
+    """The runs of grid cells a box ``aabb`` touches, ``(start, stop)`` an axis: the starts and stops of
+    :func:`cells_touched`'s ranges (``(0, 0)`` on an axis the box misses), built without making the ranges.
+
+    >>> _box([(-4, 10), (40, 50)], (64, 32), (8, 8))
+    ((0, 2), (0, 0))
+    """
+    runs = []
+    for (lo, hi), size, n in zip(aabb, shape, cell):
+        if lo < 0:
+            lo = 0
+        if hi > size:
+            hi = size
+        runs.append((lo // n, (hi - 1) // n + 1) if hi > lo else (0, 0))
+    return tuple(runs)
 
 
 #: Most objects one call of :func:`revalidate_ahead` asks about (a huge box is revalidated by its own reads).
@@ -326,17 +347,20 @@ def revalidate_ahead(samples: Sequence[Any], reader_of: Callable[[str], Any],
                 if listed:
                     continue
                 meta = reader.metadata
-                spans = cells_touched(part.aabb, meta.shape, meta.chunk_shape)
                 chunks = asked.of(reader) if asked is not None else None
                 box = boxed = None
-                if chunks is not None and spans:  # (a 0-d array's one chunk is its box: no box record)
+                if chunks is not None and meta.shape:  # (a 0-d array's one chunk is its box: no box record)
                     # the box's chunks all known fresh until then, when last looked at: one look-up, not one a
-                    # chunk (a second epoch's crops, many to an array, cover few distinct runs of chunks)
-                    box = tuple([(r.start, r.stop) for r in spans])
+                    # chunk (a second epoch's crops, many to an array, cover few distinct runs of chunks). The
+                    # box built straight from the crop (a second epoch's every box, every batch: a step per
+                    # sample on the coordinator), its ranges only where its chunks are looked at
+                    box = _box(part.aabb, meta.shape, meta.chunk_shape)
                     boxed = chunks.get(box)
+                    if boxed is not None and boxed[1] > now:
+                        continue
+                spans = cells_touched(part.aabb, meta.shape, meta.chunk_shape)
+                if box is not None:
                     if boxed is not None:
-                        if boxed[1] > now:
-                            continue
                         if boxed[0] is not None and fresh_until is not None:
                             # its chunks' keys, kept when first seen (an epoch before, read since): the store
                             # says in one look-up whether all are fresh now, the chunks' own record not consulted
