@@ -572,6 +572,8 @@ def test_close_is_prompt_with_infinite_generator_and_held_batches(volume):
     p.push(gen())
     held = [p.pop(), p.pop()]
     x = torch.from_dlpack(held[0])
+    coordinator = p._thread
+    assert coordinator is not None and coordinator.is_alive()
     t0 = time.monotonic()
     p.close()
     assert time.monotonic() - t0 < 1.0
@@ -580,8 +582,10 @@ def test_close_is_prompt_with_infinite_generator_and_held_batches(volume):
         p.pop()
     with pytest.raises(stoker.ShutdownError):
         p.push(_random_samples(uri, data.shape, (8, 16, 16), 1))
-    time.sleep(0.2)
-    assert not any(t.name.startswith("stoker-coordinator") and t.is_alive() for t in threading.enumerate())
+    # this pipeline's own coordinator, not any thread of that name: another test's pipeline left open in this
+    # process (under xdist) has one too
+    coordinator.join(0.2)
+    assert not coordinator.is_alive()
 
 
 def test_close_stops_a_slow_source_between_two_samples(volume):
