@@ -132,3 +132,39 @@ def test_a_nested_v2_array_reads_its_own_zarray_whatever_was_opened_before(tmp_p
         for name in order:
             meta = read_store_metadata(hierarchy, f"x/r.zarr/{name}", f"memory://x/r.zarr/{name}")
         assert (tuple(meta.shape), str(meta.dtype)) == (want.shape, str(want.dtype)), order
+
+
+def test_a_v2_entry_farther_up_than_the_walk_goes_is_never_taken():
+    """The walk up to consolidated metadata stops after MAX_LEVELS groups; the shortcut over groups already
+    known went any distance: a v2 array 9 groups below one whose .zmetadata holds a stale entry read its own
+    .zarray first, then the stale one once a top-level array of that group was opened."""
+    import json
+
+    from stoker.reader.array import read_store_metadata
+    from stoker.storage.hierarchy import MAX_LEVELS
+
+    def zarray(shape):
+        return json.dumps({"zarr_format": 2, "shape": list(shape), "chunks": list(shape), "dtype": "<f4",
+                           "compressor": None, "fill_value": 0, "order": "C", "filters": None})
+
+    groups = [f"g{i}" for i in range(1, MAX_LEVELS + 2)]
+    deep = "/".join(groups) + "/arr"
+    stale = {"metadata": {".zgroup": {"zarr_format": 2}, "top/.zarray": json.loads(zarray((4,))),
+                          "/".join(groups[1:]) + "/arr/.zarray": json.loads(zarray((5, 3)))},
+             "zarr_consolidated_format": 1}
+    values = {"g1/.zgroup": b'{"zarr_format": 2}', "g1/.zmetadata": json.dumps(stale).encode(),
+              "g1/top/.zarray": zarray((4,)).encode(), deep + "/.zarray": zarray((50, 30)).encode()}
+    for k in range(2, len(groups) + 1):  # each group below consolidated too, without the array
+        g = "/".join(groups[:k])
+        values[g + "/.zgroup"] = b'{"zarr_format": 2}'
+        values[g + "/.zmetadata"] = json.dumps({"metadata": {".zgroup": {"zarr_format": 2}},
+                                                "zarr_consolidated_format": 1}).encode()
+    for order in (["deep", "deep"], ["top", "deep", "deep"], ["deep", "top", "deep"]):
+        hierarchy = Hierarchy(MemoryStore(values))
+        shapes = []
+        for name in order:
+            path = deep if name == "deep" else "g1/top"
+            meta = read_store_metadata(hierarchy, path, f"memory://{path}")
+            if name == "deep":
+                shapes.append(tuple(meta.shape))
+        assert shapes == [(50, 30), (50, 30)], order

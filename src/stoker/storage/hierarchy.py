@@ -159,7 +159,8 @@ class Hierarchy:
         with self._lock:
             chain = [(g, self._groups.get(g, _UNREAD)) for g in _parents(prefix)]
         passable = True  # every group nearer than this one is known, consolidated and a group: the walk passes
-        for group, found in chain:
+        for level, (group, found) in enumerate(chain):
+            passable = passable and level < MAX_LEVELS  # nor does the walk go further up
             if found is not _UNREAD and found is not None:
                 hit = self._lookup(prefix, group, found)
                 if hit is not None and (hit[0] == 3 or passable):
