@@ -62,3 +62,25 @@ def test_a_malformed_attribute_stays_a_metadata_error_requested_once_a_while(ser
     with pytest.raises(stoker.MetadataError, match=r"dimension names \['y'\] are not 2 names"):
         coords.dimension_names(reader)
     assert served.paths.count("/bad.zarr/.zattrs") == 2
+
+
+def test_attributes_cut_short_then_gone_stay_a_metadata_error():
+    """A first reply cut short and the document gone at the second read (deleted, or refused, between two GETs)
+    is the first reply's MetadataError, not "no attributes": a scale_factor would be dropped without a word."""
+    from types import SimpleNamespace
+
+    from stoker.errors import NotFound
+
+    class Store:
+        gets = 0
+
+        def get(self, key):
+            self.gets += 1
+            if self.gets == 1:
+                return b'{"scale_factor": 0.01, "add_off'
+            raise NotFound("gone", uri="memory://x/a", key=key)
+
+    reader = SimpleNamespace(path="a", kv=Store(), uri="memory://x/a")
+    with pytest.raises(stoker.MetadataError, match="not valid JSON"):
+        coords._read(reader, ".zattrs")
+    assert reader.kv.gets == 2

@@ -73,7 +73,8 @@ def _read(reader: ArrayReader, name: str) -> dict | None:
     """The document ``name`` of the array, None where it has none. One that is no JSON object is read once
     more: a reply cut short with headers that agree on fewer bytes (a faulty server or proxy) cannot be told
     from a malformed document by its bytes, but its second reply differs; the same bytes twice are the
-    document, a MetadataError."""
+    document, a MetadataError, and so is a document gone at the second read (no document would read as no
+    attributes: a scale_factor dropped without a word)."""
     key = f"{reader.path}/{name}" if reader.path else name
     raw = _get(reader, key)
     if raw is None:
@@ -82,9 +83,9 @@ def _read(reader: ArrayReader, name: str) -> dict | None:
         return parse_json(raw, reader.uri, name)
     except MetadataError:
         again = _get(reader, key)
-        if again == raw:
+        if again == raw or again is None:
             raise
-    return None if again is None else parse_json(again, reader.uri, name)
+    return parse_json(again, reader.uri, name)
 
 
 def _consolidated(reader: ArrayReader, stores: Stores | None, options: dict | None) -> dict | None:
