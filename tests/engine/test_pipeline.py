@@ -911,15 +911,24 @@ def test_a_slow_source_is_named_as_the_cause_of_a_timeout(volume):
     uri, data = volume
     samples = _random_samples(uri, data.shape, (8, 8, 8), 3)
 
+    gate = threading.Event()
+
     def slow():
         yield from samples[:1]
-        time.sleep(3)
+        gate.wait(3)
         yield from samples[1:]
 
-    with stoker.Pipeline(_cfg(batch_size=2, pop_timeout_s=0.5)) as p:
-        p.push(slow())
-        with pytest.raises(stoker.PoolStarved, match="1 of 2 pulled so far"):
-            p.pop()
+    p = stoker.Pipeline(_cfg(batch_size=2, pop_timeout_s=0.5))
+    try:
+        with p:
+            p.push(slow())
+            with pytest.raises(stoker.PoolStarved, match="1 of 2 pulled so far"):
+                p.pop()
+    finally:
+        # the coordinator, parked in the source, ends now (not seconds into the tests after this one)
+        gate.set()
+        if p._thread is not None:
+            p._thread.join(10)
 
 
 def test_a_timeout_says_whether_samples_were_missing_or_the_batches_slow(volume):
