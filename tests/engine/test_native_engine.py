@@ -25,6 +25,7 @@ from zarr.codecs import ZstdCodec
 import stoker
 from stoker.engine.cpu import native
 
+from descriptors import open_under
 from native_testing import one_chunk_tables
 
 pytestmark = [pytest.mark.timeout(60),
@@ -430,19 +431,6 @@ def _shards(t: Tables, frames: list[bytes], shard_of: list[int]) -> list[str]:
     return paths
 
 
-def _open_descriptors(root) -> int:
-    """This process's descriptors of files under ``root`` (the test's shards): not a count of all of them,
-    which a long test run's process changes meanwhile (an earlier test's idle HTTP connections closed, its
-    files closed by the garbage collector)."""
-    root, n = os.path.join(str(root), ""), 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            n += os.readlink(f"/proc/self/fd/{fd}").startswith(root)
-        except OSError:  # closed since the listing
-            pass
-    return n
-
-
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_thread_opens_a_shard_once_for_its_inner_chunks(tmp_path, threads):
     """A thread keeps a shard's file open between the inner chunks of it that it reads (one open, not one
@@ -493,10 +481,10 @@ def test_no_file_stays_open_once_a_job_is_done(tmp_path):
     t.chunks[5, native.C_MAX_STORED] = 10
     t.chunks[n - 1, native.C_LENGTH] += 1000  # the last chunk of its shard: past the file's end
     engine = native.Engine(2, 1 << 20)
-    before = _open_descriptors(tmp_path)
+    before = open_under(tmp_path)
     job = engine.submit(*t.args())
     assert job.wait(10)
-    assert _open_descriptors(tmp_path) == before
+    assert open_under(tmp_path) == before
     status, _, _ = _results(job)
     assert status[[3, 5, n - 1]].tolist() == [native.ST_CODEC_ERROR, native.ST_TOO_BIG, native.ST_SHORT]
     assert (np.delete(status, [3, 5, n - 1]) == native.ST_OK).all()
@@ -504,9 +492,9 @@ def test_no_file_stays_open_once_a_job_is_done(tmp_path):
         job = engine.submit(*t.args())
         job.cancel()
         assert job.wait(10)
-        assert _open_descriptors(tmp_path) == before
+        assert open_under(tmp_path) == before
     assert engine.close(5)
-    assert _open_descriptors(tmp_path) == before
+    assert open_under(tmp_path) == before
 
 
 def test_many_inner_chunks_of_one_stored_range_are_entered_in_linear_time(tmp_path):

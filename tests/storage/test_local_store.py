@@ -15,24 +15,13 @@ import zarr
 import stoker
 from stoker.storage import LocalStore
 
+from descriptors import open_under
+
 pytestmark = pytest.mark.timeout(60)
 
 
 # =============================================================================================
 # LocalStore
-
-
-def _open_fds(root) -> int:
-    """This process's descriptors of files under ``root`` (the test's own): not a count of all of them, which
-    a long test run's process changes meanwhile (an earlier test's HTTP connections closed when idle, its
-    files closed by the garbage collector: a full count once fell by 6 during a test, "descriptors leaked")."""
-    root, n = os.path.join(str(root), ""), 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            n += os.readlink(f"/proc/self/fd/{fd}").startswith(root)
-        except OSError:  # closed since the listing
-            pass
-    return n
 
 
 needs_proc = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd")
@@ -123,20 +112,20 @@ def _write_many(root, n, seed=0):
 def test_local_store_descriptor_cache_is_bounded(tmp_path):
     files = _write_many(str(tmp_path), 60)
     paths = list(files)
-    assert _open_fds(tmp_path) == 0
+    assert open_under(tmp_path) == 0
     store = LocalStore(max_open_files=8)
     for path in paths:
         assert store.read_range(path, 0, 1 << 20) == files[path]
-        assert _open_fds(tmp_path) <= 8
+        assert open_under(tmp_path) <= 8
     assert store.counters.files_opened == 60
     for path in paths[-8:]:  # the 8 most recent are still open
         store.read_range(path, 0, 1)
     assert store.counters.files_opened == 60
     store.read_range(paths[0], 0, 1)  # long evicted: reopened
     assert store.counters.files_opened == 61
-    assert _open_fds(tmp_path) <= 8
+    assert open_under(tmp_path) <= 8
     store.close()
-    assert _open_fds(tmp_path) == 0
+    assert open_under(tmp_path) == 0
 
 
 @needs_proc
@@ -149,7 +138,7 @@ def test_local_store_concurrent_reads_with_eviction(tmp_path, monkeypatch, n_fil
     """
     files = _write_many(str(tmp_path), n_files, seed=1)
     paths = list(files)
-    assert _open_fds(tmp_path) == 0
+    assert open_under(tmp_path) == 0
     store = LocalStore(max_open_files=max_open)
     errors = []
     if slow:
@@ -182,15 +171,15 @@ def test_local_store_concurrent_reads_with_eviction(tmp_path, monkeypatch, n_fil
             if got != want:
                 errors.append((path, op))
             # cached ones, plus per thread at most: one evicted but in use, one just opened (not yet cached)
-            if _open_fds(tmp_path) > max_open + 2 * 8:
-                errors.append(("too many descriptors", _open_fds(tmp_path)))
+            if open_under(tmp_path) > max_open + 2 * 8:
+                errors.append(("too many descriptors", open_under(tmp_path)))
 
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(work, range(8)))
     assert errors == []
     assert len(store._handles) <= max_open
     store.close()
-    assert _open_fds(tmp_path) == 0, "descriptors leaked"
+    assert open_under(tmp_path) == 0, "descriptors leaked"
 
 
 @needs_proc
@@ -198,7 +187,7 @@ def test_local_store_evicted_while_in_use_then_reopened_does_not_leak(tmp_path, 
     """A handle evicted while a read is in flight, and reopened meanwhile, is closed by its last user."""
     files = _write_many(str(tmp_path), 2, seed=2)
     (p1, d1), (p2, d2) = files.items()
-    assert _open_fds(tmp_path) == 0
+    assert open_under(tmp_path) == 0
     store = LocalStore(max_open_files=1)
     inside, release = threading.Event(), threading.Event()
     real_pread = os.pread
@@ -222,7 +211,7 @@ def test_local_store_evicted_while_in_use_then_reopened_does_not_leak(tmp_path, 
     reader.join(10)
     assert result == [d1]  # the first read was not disturbed by the eviction
     store.close()
-    assert _open_fds(tmp_path) == 0, "the evicted descriptor was never closed"
+    assert open_under(tmp_path) == 0, "the evicted descriptor was never closed"
 
 
 def test_local_store_forget_makes_rewritten_file_visible(tmp_path):
