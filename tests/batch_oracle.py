@@ -80,7 +80,8 @@ def padded(data: np.ndarray, box, mode: str, fill) -> np.ndarray:
 
 def values_of(rng: np.random.Generator, shape, dtype: np.dtype) -> np.ndarray:
     """Values to write into an array of ``dtype`` (either byte order): full-range integers or a few small ones;
-    floats with NaN, infinities and -0.0 among them (the layout oracles, tests/engine and tests/reader)."""
+    floats with NaN, infinities and -0.0 among them (the layout oracles, tests/engine, tests/reader and the
+    tensorstore fixtures of tests/zarr)."""
     nt = np.dtype(dtype).newbyteorder("=")
     if nt.kind == "b":
         return rng.integers(0, 2, size=shape).astype(bool)
@@ -89,10 +90,18 @@ def values_of(rng: np.random.Generator, shape, dtype: np.dtype) -> np.ndarray:
         if rng.random() < 0.5:
             return rng.integers(info.min, info.max, size=shape, dtype=nt, endpoint=True).astype(dtype)
         return rng.integers(0, 5, size=shape).astype(dtype)
-    v = rng.standard_normal(shape) * 100
-    special = rng.random(shape) < 0.05
-    v[special] = rng.choice([np.nan, np.inf, -np.inf, -0.0], size=int(special.sum()))
-    return (v + 1j * v[::-1] if nt.kind == "c" else v).astype(dtype)
+
+    def floats() -> np.ndarray:
+        v = rng.standard_normal(shape) * 100
+        special = rng.random(shape) < 0.05
+        v[special] = rng.choice([np.nan, np.inf, -np.inf, -0.0], size=int(special.sum()))
+        return v
+
+    if nt.kind != "c":
+        return floats().astype(dtype)
+    out = np.empty(shape, nt)  # real and imaginary parts drawn apart: NaN or inf in one part only, too
+    out.real, out.imag = floats(), floats()
+    return out.astype(dtype)
 
 
 def blend_reference(out: np.ndarray, parts) -> np.ndarray:

@@ -21,6 +21,8 @@ import tensorstore as ts
 
 import stoker
 
+from batch_oracle import values_of
+
 N_BOXES = 25
 
 
@@ -127,30 +129,6 @@ V3_LAYOUTS = [
 ]
 
 
-def _random_data(rng: np.random.Generator, shape, dtype: np.dtype) -> np.ndarray:
-    dtype = np.dtype(dtype).newbyteorder("=")
-    if dtype.kind == "b":
-        return rng.integers(0, 2, size=shape).astype(bool)
-    if dtype.kind in "iu":
-        info = np.iinfo(dtype)
-        if rng.random() < 0.5:
-            return rng.integers(info.min, info.max, size=shape, dtype=dtype, endpoint=True)
-        return rng.integers(0, 5, size=shape).astype(dtype)  # compressible
-
-    def floats(part):
-        v = rng.standard_normal(shape) * 100
-        special = rng.random(shape) < 0.05
-        v[special] = rng.choice(np.array([np.nan, np.inf, -np.inf, -0.0]), size=int(special.sum()))
-        return v.astype(part)
-
-    if dtype.kind == "f":
-        return floats(dtype)
-    out = np.empty(shape, dtype)
-    part = np.dtype(f"f{dtype.itemsize // 2}")
-    out.real, out.imag = floats(part), floats(part)
-    return out
-
-
 def _fill_scalar(store: ts.TensorStore) -> np.ndarray:
     fill = store.fill_value
     if fill is None:
@@ -171,7 +149,7 @@ def _write_partially(store: ts.TensorStore, rng: np.random.Generator, grid_chunk
             a = int(rng.integers(0, n))
             box.append(slice(a, int(rng.integers(a + 1, n + 1))))
         box = tuple(box)
-        data = _random_data(rng, tuple(s.stop - s.start for s in box), dtype)
+        data = values_of(rng, tuple(s.stop - s.start for s in box), dtype)
         store[box].write(data).result()
     if all(n <= c for n, c in zip(shape, read_chunks)):
         return  # a single read chunk: leave it written
