@@ -24,6 +24,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import InvalidArgument, MetadataError, NotFound, StorageError, UnsupportedFormat
+from ..storage.hierarchy import second_reply
 from ..storage.locate import Stores, locate, options_for
 from ..storage.store import denied
 from ..zarr.cf import CFCoding, coding_of, decode_timedeltas, decode_times, is_time_units, timedelta_dtype
@@ -71,10 +72,9 @@ def _get(reader: ArrayReader, key: str) -> bytes | None:
 
 def _read(reader: ArrayReader, name: str) -> dict | None:
     """The document ``name`` of the array, None where it has none. One that is no JSON object is read once
-    more: a reply cut short with headers that agree on fewer bytes (a faulty server or proxy) cannot be told
-    from a malformed document by its bytes, but its second reply differs; the same bytes twice are the
-    document, a MetadataError, and so is a document gone at the second read (no document would read as no
-    attributes: a scale_factor dropped without a word)."""
+    more (:func:`~stoker.storage.hierarchy.second_reply`): the same bytes twice, or the document gone at the
+    second read, are a MetadataError (no document would read as no attributes: a scale_factor dropped without
+    a word)."""
     key = f"{reader.path}/{name}" if reader.path else name
     raw = _get(reader, key)
     if raw is None:
@@ -82,8 +82,8 @@ def _read(reader: ArrayReader, name: str) -> dict | None:
     try:
         return parse_json(raw, reader.uri, name)
     except MetadataError:
-        again = _get(reader, key)
-        if again == raw or again is None:
+        again = second_reply(raw, lambda: _get(reader, key))
+        if again == raw:  # the document itself, or gone: no document would read as no attributes
             raise
     return parse_json(again, reader.uri, name)
 

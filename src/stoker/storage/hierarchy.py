@@ -79,6 +79,28 @@ def _json(raw: bytes) -> Any:
         return None  # no document stoker can read: nothing is found in it
 
 
+def _parses(raw: bytes) -> bool:
+    try:
+        json.loads(raw)
+    except ValueError:
+        return False
+    return True
+
+
+def second_reply(first: bytes, get: Callable[[], bytes | None]) -> bytes:
+    """A document whose bytes ``first`` did not parse, read once more (``get``): a reply cut short with headers
+    that agree on fewer bytes (a faulty server or proxy) cannot be told from a malformed document by its bytes,
+    but its second reply differs. That reply where there is one; else ``first`` (gone at the second read: the
+    first is all there is). The same bytes twice are the document. One rule for an array's documents
+    (reader.coords) and a group's (:meth:`Hierarchy.group_node`).
+
+    >>> second_reply(b'{"a": 1', lambda: b'{"a": 1}')
+    b'{"a": 1}'
+    """
+    again = get()
+    return first if again is None else again
+
+
 def _json_object(value: Any) -> dict | None:
     return value if isinstance(value, dict) else None
 
@@ -216,13 +238,12 @@ class Hierarchy:
     def _read_twice_if_torn(self, key: str, uri: str) -> bytes | None:
         """The document at ``key`` (None: none), read once more where it is no JSON: a reply cut short with
         headers that agree (a faulty server or proxy) reads as a malformed document, which a group's node keeps
-        for the store's life as "no attributes" (an OME image's ``multiscales`` lost, its levels no levels); a
-        second reply that differs is the document, the same bytes twice are it (as reader.coords reads an
-        array's attributes)."""
+        for the store's life as "no attributes" (an OME image's ``multiscales`` lost, its levels no levels):
+        :func:`second_reply`."""
         raw = self.read(key, uri, optional=True)
-        if raw is None or _json(raw) is not None or raw.strip() == b"null":
+        if raw is None or _parses(raw):
             return raw
-        return self.read(key, uri, optional=True)
+        return second_reply(raw, lambda: self.read(key, uri, optional=True))
 
     def group_entries(self, group: str, uri: str) -> tuple[int, dict] | None:
         """``(zarr_format, entries)`` of the consolidated metadata of the group at ``group`` (keys relative
