@@ -18,6 +18,8 @@ import zarr
 import stoker
 from stoker.inference.record import LOG_PREFIX
 
+from descriptors import open_under
+
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="descriptors' paths from /proc")]
 
@@ -384,16 +386,7 @@ def test_a_pass_starts_every_file_s_writeback_before_the_first_fsync(tmp_path, m
     kinds = [k for k, _ in wb.events]
     assert kinds == ["start"] * 5 + ["fsync"] * 5
     assert [p for _, p in wb.events] == [str(f) for f in files] * 2
-    def open_under_tmp() -> int:  # not every descriptor: a long test run's process closes others meanwhile
-        n = 0
-        for fd in os.listdir("/proc/self/fd"):
-            try:
-                n += os.readlink(f"/proc/self/fd/{fd}").startswith(str(tmp_path))
-            except OSError:  # closed since the listing
-                pass
-        return n
-
-    open_before = open_under_tmp()
+    open_before = open_under(tmp_path)  # not every descriptor: others close meanwhile in a long run
     real = os.fsync
 
     def failing(fd):
@@ -404,7 +397,7 @@ def test_a_pass_starts_every_file_s_writeback_before_the_first_fsync(tmp_path, m
     monkeypatch.setattr(os, "fsync", failing)
     with pytest.raises(OSError, match="injected"):
         durable._fsync_together(files)
-    assert open_under_tmp() == open_before
+    assert open_under(tmp_path) == open_before
 
 
 def test_a_chunk_writer_without_a_record_starts_no_writeback(tmp_path, monkeypatch):
