@@ -176,6 +176,22 @@ def test_a_fill_value_past_a_float_output_is_refused(tmp_path, monkeypatch, deco
         check_fill(reader, torch.float16, "c/0/1")
 
 
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+@pytest.mark.parametrize("pad", [None, "fill"])
+def test_a_fill_value_past_a_float_output_warns_nothing(tmp_path, decode_path, pad):
+    """The refusal of a fill value past "f16" is the DtypeMismatch alone: casting the fill value before its
+    check once printed numpy's "overflow encountered in cast", which under warnings-as-errors (pytest's
+    ``filterwarnings = error``) reached the consumer as a bare RuntimeWarning instead of the typed error."""
+    data = (np.arange(np.prod(SHAPE)) % 50).reshape(SHAPE).astype(np.uint16)
+    uri = str(tmp_path / "a.zarr")
+    _write(tmp_path / "a.zarr", data, fill_value=65535, skip_chunk=(0, 1))
+    box = ((-2, 4), (5, 10)) if pad else ((0, 4), (5, 10))  # the padding, or the missing chunk c/0/1
+    with pytest.raises(stoker.DtypeMismatch, match="65535"):
+        with stoker.Pipeline(_cfg(dtype="f16")) as p:
+            p.push([stoker.Sample(uri, box, pad=pad)])
+            [b.release() for b in p]
+
+
 def test_overflow_thresholds_are_where_the_casts_reach_inf():
     """OVERFLOW_AT is the first magnitude NumPy (f16, f32) and torch through float32 (bf16) round to inf."""
     below = {torch.float16: np.float16, torch.float32: np.float32}

@@ -688,3 +688,32 @@ def test_distributed_page_fields_example_runs(tmp_path, monkeypatch):
     assert source.volumes[0].volume.scales["context"] == (4, 4, 4)
     assert _coverage(sample, fg) >= 0.25
     assert len(grid) > 0 and grid.sample(0, 0)["labels"].aabb == ((68, 124),) * 3
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_fields_whose_dimensions_come_in_another_order_are_refused(tmp_path, zarr_format):
+    """Fields share one anchor, and each box is placed on its arrays by axis position: an input field over a
+    variable xarray wrote as (time, lat, lon) and a target over one written as (time, lon, lat) drew a target
+    box transposed against the input's (its lat range taken on lon), without a word. RandomCrops and TileGrid
+    over such fields (or a mask naming its dimensions in another order than its field's arrays) are an
+    InvalidArgument naming both orders; fields in one order, or without names, are drawn as before."""
+    xr = pytest.importorskip("xarray")
+    a = np.arange(6 * 8 * 10, dtype="f4").reshape(6, 8, 10)
+    xr.Dataset({"a": (("time", "lat", "lon"), a), "b": (("time", "lon", "lat"), a.transpose(0, 2, 1).copy()),
+                "c": (("time", "lat", "lon"), a + 1), "m": (("lon", "lat", "time"), np.ones((10, 8, 6), "u1")),
+                "n": (("time", "lat", "lon"), np.ones((6, 8, 10), "u1"))}).to_zarr(str(tmp_path / "d.zarr"),
+                                                                                 zarr_format=zarr_format)
+    uri = {v: str(tmp_path / "d.zarr" / v) for v in "abcmn"}
+    crossed = {"x": stoker.Field(uri["a"], (2, 4, 4)), "y": stoker.Field(uri["b"], (1, 4, 4), offset=(2, 0, 0))}
+    with pytest.raises(stoker.InvalidArgument, match=r"field 'y'.*\('time', 'lon', 'lat'\).*field 'x'.*"
+                                                     r"\('time', 'lat', 'lon'\)") as err:
+        stoker.RandomCrops(crossed, seed=0, samples_per_epoch=4)
+    assert err.value.uri == uri["b"]
+    with pytest.raises(stoker.InvalidArgument, match="another order"):
+        stoker.TileGrid(crossed, stride=(2, 4, 4))
+    same = {"x": stoker.Field(uri["a"], (2, 4, 4)), "y": stoker.Field(uri["c"], (1, 4, 4), offset=(2, 0, 0))}
+    with pytest.raises(stoker.InvalidArgument, match=r"mask .*\('lon', 'lat', 'time'\)"):
+        stoker.RandomCrops(same, seed=0, samples_per_epoch=4, mask=stoker.Mask(uri["m"], field="y"))
+    s = stoker.RandomCrops(same, seed=0, samples_per_epoch=4, mask=stoker.Mask(uri["n"], field="y")).sample(0, 0)
+    (t0, _), (y0, _), (x0, _) = s["x"].aabb
+    assert s["y"].aabb == ((t0 + 2, t0 + 3), (y0, y0 + 4), (x0, x0 + 4))

@@ -233,9 +233,12 @@ def copy_cast(dst: torch.Tensor | np.ndarray, src: np.ndarray) -> None:
 
 
 def fill_value_as(fill: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    """A 0-d tensor holding ``fill`` converted by the same rules as :func:`copy_cast`."""
+    """A 0-d tensor holding ``fill`` converted by the same rules as :func:`copy_cast`, unchecked: a fill value
+    past ``dtype`` is refused by :func:`check_fill` with a DtypeMismatch, so numpy's overflow warning is kept
+    quiet here (under warnings-as-errors it would reach the consumer instead of that typed error)."""
     out = torch.empty((), dtype=dtype)
-    copy_cast(out, np.asarray(fill))
+    with np.errstate(over="ignore", invalid="ignore"):
+        copy_cast(out, np.asarray(fill))
     return out
 
 

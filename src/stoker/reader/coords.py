@@ -166,6 +166,27 @@ def dimension_names(reader: ArrayReader, stores: Stores | None = None,
     return _documents_of(reader, stores, options)[2]
 
 
+def _order_clash(named: Sequence[tuple[str, ArrayReader]], stores: Stores | None,
+                 storage_options: Any) -> tuple[str, ArrayReader, tuple, str, ArrayReader, tuple] | None:
+    """The first of ``named`` (label, reader) pairs whose dimension names are those of an earlier one in another
+    order, with that earlier one; None when there is none. Arrays without names, naming other dimensions, or
+    whose names cannot be read (malformed ``_ARRAY_DIMENSIONS``, a store that fails the request) are not
+    compared: the check is advisory."""
+    first: tuple[str, ArrayReader, tuple] | None = None
+    for label, r in named:
+        try:
+            names = dimension_names(r, stores, options_for(storage_options, r.uri))
+        except (MetadataError, StorageError):
+            continue
+        if names is None or any(n is None for n in names):
+            continue
+        if first is None:
+            first = (label, r, tuple(names))
+        elif tuple(names) != first[2] and sorted(names) == sorted(first[2]):
+            return (label, r, tuple(names)) + first
+    return None
+
+
 def check_channel_dimensions(readers: Sequence[ArrayReader], stores: Stores | None = None,
                              storage_options: Any = None) -> None:
     """InvalidArgument where arrays read as the channels of one box name the same dimensions in another order
@@ -176,21 +197,30 @@ def check_channel_dimensions(readers: Sequence[ArrayReader], stores: Stores | No
     that fails the request) is left out: the check is advisory, and such an array was read before it. With
     ``Config(cf=True)`` (the default) the names were read with the arrays' CF attributes when opened; else a
     v2 array's ``.zattrs`` is read here, once per array and pipeline (a malformed one too: its error is kept)."""
-    first: tuple | None = None
-    for r in readers:
-        try:
-            names = dimension_names(r, stores, options_for(storage_options, r.uri))
-        except (MetadataError, StorageError):
-            continue
-        if names is None or any(n is None for n in names):
-            continue
-        if first is None:
-            first, first_uri = tuple(names), r.uri
-        elif tuple(names) != first and sorted(names) == sorted(first):
-            raise InvalidArgument(f"{r.uri}: its dimensions {tuple(names)} are those of {first_uri} {first} in "
-                                  "another order, and channels are stacked by axis position: one would be "
-                                  "transposed against the other; store them in one order (xarray: "
-                                  "ds[var].transpose(*dims) before to_zarr)", uri=r.uri)
+    clash = _order_clash([("", r) for r in readers], stores, storage_options)
+    if clash is not None:
+        _, r, names, _, first_reader, first = clash
+        raise InvalidArgument(f"{r.uri}: its dimensions {names} are those of {first_reader.uri} {first} in "
+                              "another order, and channels are stacked by axis position: one would be "
+                              "transposed against the other; store them in one order (xarray: "
+                              "ds[var].transpose(*dims) before to_zarr)", uri=r.uri)
+
+
+def check_field_dimensions(named: Sequence[tuple[str, ArrayReader]], who: str, stores: Stores | None = None,
+                           storage_options: Any = None) -> None:
+    """InvalidArgument where the arrays of a sampler's fields (``named``: ``("field 'x'", reader)``, a mask
+    too) name the same dimensions in another order: the fields share one anchor and each box is placed on its
+    arrays by axis position, so a target over ``(time, lon, lat)`` beside an input over ``(time, lat, lon)``
+    would take the input's lat range on lon, where xarray aligns them by name. The rules of
+    :func:`check_channel_dimensions` otherwise (advisory; unnamed or other dimensions are not compared)."""
+    clash = _order_clash(named, stores, storage_options)
+    if clash is not None:
+        label, r, names, first_label, first_reader, first = clash
+        raise InvalidArgument(f"{who}: {label}'s array {r.uri} names its dimensions {names}, those of "
+                              f"{first_label}'s {first_reader.uri} {first} in another order; fields share one "
+                              "anchor, placed on every array by axis position, so one box would be transposed "
+                              "against the other: store them in one order (xarray: ds[var].transpose(*dims) "
+                              "before to_zarr)", uri=r.uri)
 
 
 def stored_fill(reader: ArrayReader, stores: Stores | None = None, options: dict | None = None) -> Any:

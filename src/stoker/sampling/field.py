@@ -240,14 +240,18 @@ def open_volume(fields: Mapping[str, Field], mask: Any, storage_options: dict | 
     the mask, the fraction and the best coverage found when none does. ``region`` and ``pad``: see
     :func:`region_bounds` and :class:`Volume`."""
     from ..reader.array import open_array
+    from ..reader.coords import check_field_dimensions
     from ..reader.ome import level_scale
     from ..storage.locate import check_options_by_prefix, options_for
     from .mask import Mask, check_alignment, covering_anchors
 
     by_prefix = check_options_by_prefix(storage_options, "storage_options")
     shapes, scales = {}, {}
+    firsts = []  # each field's first array: its channels are compared by the pipeline (check_channel_dimensions)
     for name, f in fields.items():
-        found = [open_array(uri, options_for(by_prefix, uri), stores=stores).shape for uri in f.uris]
+        opened = [open_array(uri, options_for(by_prefix, uri), stores=stores) for uri in f.uris]
+        firsts.append((f"field {name!r}", opened[0]))
+        found = [r.shape for r in opened]
         for uri, shape in zip(f.uris, found):
             if shape != found[0]:
                 raise InvalidArgument(f"{uri}: shape {shape} differs from {f.uris[0]}'s {found[0]}; the arrays of "
@@ -257,6 +261,7 @@ def open_volume(fields: Mapping[str, Field], mask: Any, storage_options: dict | 
             (1,) * len(found[0])
     bounds = None if region is None else region_bounds(fields, shapes, scales, region, by_prefix, stores)
     if mask is None:
+        check_field_dimensions(firsts, who, stores, by_prefix)
         return MaskedVolume(Volume(fields, shapes, scales, who=who, bounds=bounds, pad=pad), None)
     if not isinstance(mask, Mask):
         raise InvalidArgument(f"{who}: mask must be a stoker.Mask, got {type(mask).__name__}", knob="mask")
@@ -264,6 +269,7 @@ def open_volume(fields: Mapping[str, Field], mask: Any, storage_options: dict | 
         raise InvalidArgument(f"{who}: mask {mask.uri} names field {mask.field!r}, which is none of "
                               f"{list(fields)}; pass Mask(..., field=<one of them>)", knob="mask", uri=mask.uri)
     reader = open_array(mask.uri, options_for(by_prefix, mask.uri), stores=stores)
+    check_field_dimensions(firsts + [(f"mask {mask.uri}", reader)], who, stores, by_prefix)
     ndim = len(fields[mask.field].shape)
     given = mask.scale
     mask_scale = (given,) * ndim if isinstance(given, int) else given or \
