@@ -60,6 +60,13 @@ def engine_available() -> bool:
     return native.Engine is not None
 
 
+def half_next(work: torch.Tensor, into: torch.dtype | None) -> bool:
+    """Whether a batch made in ``work`` is rounded into float16 next, untransformed (``into``: the output then,
+    None when a transform comes first): its float64 values then go into a float32 ``work`` as their one
+    rounding's float32 (:attr:`~.executor.Job.half_next`)."""
+    return into == torch.float16 and work.dtype == torch.float32
+
+
 class Decoders:
     """Plans batches and fills tensors in CPU memory: the compiled engine, or the Python path."""
 
@@ -80,18 +87,20 @@ class Decoders:
         return plan_tables(batch_id, samples, open_reader)
 
     def submit(self, plan: TablePlan, out: torch.Tensor, then: Callable[[Job], None] | None = None,
-               cf: bool = False) -> Job:
+               cf: bool = False, half_next: bool = False) -> Job:
         """Start making ``plan`` into ``out``; ``then(job)`` runs once every chunk is in place.
 
         A batch of multi-array samples, ``(B, C, *box)``, is made through its ``(B * C, *box)`` view: the
         plans' copy rows are ``b * C + c``, so neither path knows about channels. A batch with boxes past their
         arrays (``plan.pads``) has them filled first in the hook
-        (:func:`~stoker.engine.planning.padding.fill_padding`; ``cf``: CF attributes are decoded after it)."""
+        (:func:`~stoker.engine.planning.padding.fill_padding`; ``cf``: CF attributes are decoded after it).
+        ``half_next``: ``out`` is float32 rounded into float16 next (:attr:`~.executor.Job.half_next`)."""
         if plan.channels is not None:
             out = out.flatten(0, 1)
         if plan.pads:
-            then = _padded_then(plan, out, then, cf)
+            then = _padded_then(plan, out, then, cf, half_next)
         job = Job(plan, out, plan.n_chunks, then)
+        job.half_next = half_next
         if self.native is not None:
             self.native.submit(job)
         else:
@@ -115,10 +124,10 @@ class Decoders:
 
 
 def _padded_then(plan: TablePlan, out: torch.Tensor, then: Callable[[Job], None] | None,
-                 cf: bool = False) -> Callable[[Job], None]:
+                 cf: bool = False, half_next: bool = False) -> Callable[[Job], None]:
     """A completion hook that fills the padded crops of ``plan`` in ``out``, then runs ``then``."""
     def hook(job: Job) -> None:
-        fill_padding(plan.pads, plan.sources, out, cf=cf)
+        fill_padding(plan.pads, plan.sources, out, cf=cf, half_next=half_next)
         if then is not None:
             then(job)
     return hook
@@ -360,8 +369,9 @@ class CpuExecutor(SlotsDelivery):
         decode = plan_decoder(plan, self.cfg.cf, into)
         if self.cfg.transform is None and decode is None and target.host_slot is target.slot:
             return self.decoders.submit(plan, target.out)  # made in the delivered slot: nothing after it
+        # so are plain float64 arrays' values placed in that work (cast.half_exact): rounded once too
         return self.decoders.submit(plan, target.out, then=lambda job: self._transform(target, job, decode),
-                                    cf=decode is not None)
+                                    cf=decode is not None, half_next=half_next(target.out, into))
 
     def _transform(self, target: Target, job: Job, decode: RowDecode | None = None) -> None:
         t0 = time.perf_counter()
