@@ -161,11 +161,11 @@ def engine_budget(left: int, python_need: int, threads: int, readers: list, held
 
 
 def take_slot(ring: SlotRing, closed: Callable[[], bool]) -> Slot:
-    """A free slot of ``ring``, waiting for one (ShutdownError once ``closed()``); the CPU and CUDA
-    executors' ``acquire``."""
+    """A free slot of ``ring``, waiting for one (ShutdownError once ``closed()``: the executor's
+    :meth:`~CpuExecutor.shutdown` wakes the wait); the CPU and CUDA executors' ``acquire``."""
     slot = None
     while slot is None:
-        slot = ring.acquire(closed, timeout=0.1)
+        slot = ring.acquire(closed)
     return slot
 
 
@@ -407,9 +407,12 @@ class CpuExecutor(SlotsDelivery):
 
     def shutdown(self) -> None:
         """Cancel work in flight: once this returns the engine writes into no batch; Python tasks stop at
-        their next check."""
+        their next check. A coordinator waiting for a slot is woken, to see the close."""
         if self.decoders is not None:
             self.decoders.shutdown()
+        for ring in (self.slots, self.host_slots):
+            if ring is not None:
+                ring.wake()
 
     def close(self) -> None:
         """After :meth:`shutdown`: the slots go back to the process's spare slots (``SlotRing.close``), for

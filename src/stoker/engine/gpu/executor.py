@@ -449,7 +449,7 @@ class GpuDecodeExecutor(SlotsDelivery):
     def acquire(self, plan: TablePlan, closed: Callable[[], bool]) -> Target:
         slot = None
         while slot is None:
-            slot = self.slots.acquire(closed, timeout=0.1)
+            slot = self.slots.acquire(closed)  # (woken by shutdown)
         return Target(slot.tensor[:plan.rows], slot, None)
 
     def submit(self, plan: TablePlan, target: Target) -> Job:
@@ -501,6 +501,9 @@ class GpuDecodeExecutor(SlotsDelivery):
         self._closing = True
         self._stager.cancel()
         self._queue.put(None)
+        for ring in (self.slots, self.host_slots):  # a wait for a slot or a staging buffer sees the close
+            if ring is not None:
+                ring.wake()
 
     def close(self, wait: streams_mod.CloseWait | None = None) -> None:
         """Wait for the worker threads, then for the work queued on the streams, so no buffer is freed under
