@@ -330,6 +330,27 @@ def test_a_read_error_reaches_the_consumer_after_the_batches_before_it(ds):
     assert ids(loader2)[0] == [6, 7]
 
 
+def test_close_after_a_read_error_waits_for_the_other_readers(ds):
+    """A record fails at once while another reader is in a long read: the error reaches the consumer at once,
+    and the loader's close() then returns once that reader has ended (it returned at once, leaving the thread
+    running into the next test)."""
+
+    class FailsFirst(Slow):
+        def __getitem__(self, i: int) -> dict:
+            if i == 0:
+                raise ValueError("cannot read record 0")
+            time.sleep(0.5)
+            return self.base[i]
+
+    baseline = readers()
+    loader = Loader(FailsFirst(ds), 2, shuffle=False, n_threads=2, prefetch=1)
+    with pytest.raises(ValueError, match="cannot read record 0"):
+        next(iter(loader))
+    assert readers() - baseline  # (the other reader is in its read)
+    loader.close()
+    assert readers() - baseline == set()
+
+
 def test_a_stuck_read_times_out(ds):
     baseline = readers()
     loader = Loader(Slow(ds, delay=1.5), 2, timeout_s=0.1, n_threads=1)
