@@ -29,6 +29,12 @@ from gloo_ranks import gloo_group, spawn_ranks, write_result
 N_RECORDS = 13
 
 
+def _first(loader):
+    """``loader``'s first batch, the loader closed after it (its reader threads end with the test)."""
+    with loader:
+        return next(iter(loader))
+
+
 def write_dataset(root: str, n: int = N_RECORDS) -> None:
     """Record i: ``points`` (2 + i % 5, 3) float32, ``cells`` (1 + i % 3, 2) int32 indexing points, ``rid`` (1,)."""
     for i in range(n):
@@ -122,12 +128,12 @@ def test_pad_matches_a_manual_reference(ds):
 
 
 def test_concat_increment_shifts_indices_and_a_callable_collates(ds):
-    batch = next(iter(Loader(ds, 3, collate=Concat(increment={"cells": "points"}), shuffle=False)))
+    batch = _first(Loader(ds, 3, collate=Concat(increment={"cells": "points"}), shuffle=False))
     samples = [ds[i] for i in range(3)]
     offset = np.cumsum([0] + [len(s["points"]) for s in samples[:-1]])
     assert torch.equal(batch["cells"], torch.cat([s["cells"] + int(o) for s, o in zip(samples, offset)]))
     assert torch.equal(batch["points"][batch["cells"][-1].long()], samples[2]["points"][samples[2]["cells"][-1].long()])
-    got = next(iter(Loader(ds, 3, collate=lambda xs: [int(x["rid"][0]) for x in xs], shuffle=False)))
+    got = _first(Loader(ds, 3, collate=lambda xs: [int(x["rid"][0]) for x in xs], shuffle=False))
     assert got == [0, 1, 2]
 
 
@@ -363,8 +369,8 @@ def test_a_stuck_read_times_out(ds):
 
 
 def test_cpu_device_is_a_pass_through(ds):
-    a = next(iter(Loader(ds, 4, shuffle=False, device="cpu")))
-    b = next(iter(Loader(ds, 4, shuffle=False)))
+    a = _first(Loader(ds, 4, shuffle=False, device="cpu"))
+    b = _first(Loader(ds, 4, shuffle=False))
     assert all(torch.equal(a[k], b[k]) and a[k].device.type == "cpu" for k in b)
     with pytest.raises(InvalidArgument, match="device"):
         Loader(ds, 4, device="nonsense")
