@@ -222,10 +222,16 @@ class RangeServer(ThreadingHTTPServer):
         with self._lock:
             (self._connections.add if alive else self._connections.discard)(conn)
 
+    def shutdown(self) -> None:
+        """:meth:`stop`, for the tests that end the server as socketserver's are ended: socketserver's shutdown
+        alone stops the serving loop but leaves each keep-alive connection's handler thread waiting for its
+        next request, running on into the tests after it."""
+        self.stop()
+
     def stop(self) -> None:
         """Stop listening and drop every open connection (idempotent)."""
         if self._thread.is_alive():
-            self.shutdown()
+            super().shutdown()
             self._thread.join(timeout=10)
         self.server_close()
         with self._lock:

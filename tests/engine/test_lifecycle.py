@@ -459,3 +459,77 @@ def test_a_script_that_ends_with_a_records_loader_open_exits_cleanly():
     for _ in range(6):
         proc = _run(RECORDS_EXIT_SCRIPT, timeout=120)
         assert (proc.returncode, proc.stdout.strip()) == (0, "left open"), proc.stderr[-3000:]
+
+
+# -- idle ------------------------------------------------------------------------------------------------------
+
+def _switches_and_cpu(tid: int) -> tuple[int, float]:
+    """Thread ``tid``'s voluntary context switches (each time it went to sleep) and its CPU seconds so far."""
+    from stoker.runtime.schedstat import run_times
+
+    with open(f"/proc/self/task/{tid}/status") as f:
+        switches = next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
+    times = run_times(tid)
+    assert times is not None
+    return switches, times[0]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads the thread's /proc counters")
+@pytest.mark.parametrize("kind", ["cpu", "cuda-host", "gpu-host"])
+@pytest.mark.parametrize("idle", ["held", "not popped", "used up"])
+def test_an_idle_pipeline_s_coordinator_sleeps_until_the_consumer_or_the_close(volume, monkeypatch, kind, idle):
+    """Every slot full and the consumer away (holding a batch, or not popping), or every sample pushed made: the
+    coordinator waits for a slot's release or a pop or a push, which notify it, and for the close, which wakes
+    it. It woke every 50 ms or 0.1 s to look (10 to 30 times and 1.5 to 2 ms of CPU a second, for ever, in
+    every idle pipeline of a process); now it sleeps through (at most a wake-up a second), and close() still
+    ends it at once."""
+    from stoker.engine.cuda.transfer import CudaExecutor
+    from stoker.engine.gpu.executor import GpuDecodeExecutor
+    from stoker.engine.gpu.streams import HostStreams
+    from stoker.engine.pipeline import facade as pipelines
+
+    makers = {"cuda-host": lambda cfg, stats, store: CudaExecutor(cfg, torch.device("cpu"), stats, store,
+                                                                   streams=HostStreams()),
+              "gpu-host": lambda cfg, stats, store: GpuDecodeExecutor.on_host(cfg, stats, store)}
+    if kind in makers:
+        monkeypatch.setattr(pipelines, "make_executor",
+                            lambda cfg, device, stats, store: makers[kind](cfg, stats, store))
+    uri, _ = volume
+    cfg = stoker.Config(batch_size=2, dtype="f32", host_buffer_bytes=64 << 20, device_buffer_bytes=64 << 20,
+                        lookahead_batches=2, n_io_threads=1, n_compute_threads=1, pop_timeout_s=20, device="cpu",
+                        decode_on="cpu")
+
+    def crops():
+        while True:
+            yield stoker.Sample(uri, ((0, 8), (0, 16), (0, 16)))
+
+    p = stoker.Pipeline(cfg)
+    try:
+        if idle == "used up":
+            p.push([stoker.Sample(uri, ((0, 8), (0, 16), (0, 16)))] * 2)
+            p.pop().release()
+        else:
+            p.push(crops())
+            batch = p.pop()
+            if idle == "not popped":
+                batch.release()
+                del batch
+        coordinator = p._coordinator.thread
+        assert coordinator is not None
+        # idle once it stops making batches: every slot full (its CPU clock then moves only at its wake-ups)
+        deadline, last = time.monotonic() + 30, None
+        while time.monotonic() < deadline:
+            time.sleep(0.3)
+            now = _switches_and_cpu(coordinator.native_id)[1]
+            if last is not None and now - last < 0.002:
+                break
+            last = now
+        s0, c0 = _switches_and_cpu(coordinator.native_id)
+        time.sleep(2.0)
+        s1, c1 = _switches_and_cpu(coordinator.native_id)
+        assert s1 - s0 <= 8 and c1 - c0 < 0.0015, (s1 - s0, c1 - c0)
+        t0 = time.monotonic()
+        p.close()
+        assert time.monotonic() - t0 < 0.5 and not coordinator.is_alive()
+    finally:
+        p.close()

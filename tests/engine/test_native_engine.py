@@ -34,6 +34,25 @@ pytestmark = [pytest.mark.timeout(60),
 U16 = native.SOURCE_KINDS[np.dtype("uint16")]
 
 
+@pytest.fixture(autouse=True)
+def _engines_closed(monkeypatch):
+    """Every engine a test makes (its own, or a pipeline's) is closed by its end, its threads gone: an engine
+    dropped unclosed stops its threads without waiting for them, and they ran on into the next test on the
+    worker, whose counts of the process's threads (/proc/self/task) they spoil. Closed here anyway."""
+    made, real = [], native.Engine
+
+    def make(*args, **kw):
+        made.append(real(*args, **kw))
+        return made[-1]
+
+    monkeypatch.setattr(native, "Engine", make)
+    yield
+    running = [e.info()["alive"] for e in made if e.info()["alive"]]
+    for e in made:
+        e.close(5)
+    assert not running, f"engines left running by the test, with {running} threads: close them"
+
+
 def _chunk(i: int) -> np.ndarray:
     return (np.arange(64, dtype=np.uint16) + 64 * i).reshape(8, 8)
 
@@ -377,6 +396,7 @@ def test_missing_files_and_fill_chunks_take_the_fill_value(tmp_path):
     assert (t.batch[1] == -1).all() and (t.batch[2] == -1).all()
     np.testing.assert_array_equal(t.batch[3], t.expected(3))
     assert counters["chunks_filled"] == 2 and counters["chunks_decoded"] == 2
+    assert engine.close(5)
 
 
 def test_each_failure_has_its_status(tmp_path):
@@ -411,6 +431,7 @@ def test_each_failure_has_its_status(tmp_path):
     assert detail[1] == stat.S_IFIFO and detail[2] == 40 and detail[4] == 64 and detail[5] == 5000  # ELOOP: 40
     np.testing.assert_array_equal(t.batch[0], t.expected(0))
     assert not t.batch[1:].any()  # nothing was written for a chunk that failed
+    assert engine.close(5)
 
 
 def _shards(t: Tables, frames: list[bytes], shard_of: list[int]) -> list[str]:
@@ -588,6 +609,7 @@ def test_budget_for_one_thread_runs_one_thread_at_a_time(tmp_path):
     small = native.Engine(4, need - 1)
     with pytest.raises(ValueError, match="budget"):
         small.submit(*t.args())
+    assert engine.close(5) and small.close(5)
 
 
 def _allocations_of_fail():
@@ -739,6 +761,7 @@ def test_cancel_stops_every_write_into_the_batch(tmp_path, kind):
     assert (status == native.ST_CANCELLED).sum() > 0 and set(status.tolist()) <= {native.ST_OK, native.ST_CANCELLED}
     time.sleep(0.05)
     assert (t.batch == 7).all()
+    assert engine.close(5)
 
 
 @pytest.mark.parametrize("kind", [native.KIND_F32, native.KIND_SAME], ids=["placed", "decoded-into-batch"])
@@ -1193,6 +1216,7 @@ def test_any_layout_and_byte_order_casts_as_copy_cast(tmp_path, dtype, layout, b
     assert torch.equal(out.isnan() if out.is_floating_point() else nan, nan)
     bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[out.element_size()]
     assert torch.equal(out.view(bits)[~nan], want.view(bits)[~nan])
+    assert engine.close(5)
 
 
 def test_a_path_too_long_for_the_engine_is_read_by_python(tmp_path):

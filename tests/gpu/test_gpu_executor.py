@@ -274,7 +274,7 @@ def test_each_array_is_described_once_per_batch_dtype(arrays, monkeypatch):
 
     calls = []
     real = sources.describe
-    monkeypatch.setattr(sources, "describe", lambda r, w: calls.append((r.uri, w)) or real(r, w))
+    monkeypatch.setattr(sources, "describe", lambda r, w, *rest: calls.append((r.uri, w)) or real(r, w, *rest))
     (zz, dz), (zg, dg) = arrays["zstd-u16"], arrays["gzip-u16"]
     new: list = []
     described = sources.Described(on_new=new.append)

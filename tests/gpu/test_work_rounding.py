@@ -7,6 +7,7 @@ are the oracles of the stored and decoded values."""
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import numpy as np
@@ -320,3 +321,29 @@ def test_the_submitter_queues_the_next_batch_while_a_rounding_waits(tmp_path, mo
     for i, box in enumerate(boxes):
         want = torch.from_numpy(data[tuple(slice(a, b) for a, b in box)] * 2.0).to(torch.float16)
         assert torch.equal(got[i // 2][i % 2], want), box
+
+
+def test_a_plain_float64_beside_a_packed_array_is_rounded_once(tmp_path, executor, decode_path):
+    """A plain float64 array (no CF attributes) read in an f16 batch beside a packed one goes into the float32
+    work buffer the packed one is decoded in: placed there rounded to nearest, 281.125001 landed on the float16
+    tie 281.125 and went to even, 281.0, on every executor, where NumPy's one rounding (the "f16" cast rule) is
+    281.25. Now its values, and its fill value where no chunk is stored and past its edge, are NumPy's float16
+    of zarr-python's."""
+    packed = _packed(tmp_path, 3, 0, 0.01)
+    plain = str(tmp_path / "plain.zarr")
+    data = 281.125 + np.arange(np.prod(SHAPE)).reshape(SHAPE) * 1e-6
+    data[4:8, 8:12] = 281.125003  # the fill value: that chunk (c/1/2) is not stored
+    z = zarr.create_array(plain, shape=SHAPE, chunks=CHUNKS, dtype="float64", fill_value=281.125003)
+    z[:] = data
+    assert not os.path.exists(os.path.join(plain, "c", "1", "2"))  # (equal to the fill value: not written)
+    past = ((2, 10), (4, 16))  # 2 rows and 4 columns past the array: its fill value there (pad="fill")
+    samples = [stoker.Sample(packed, ((0, 8), (0, 12))), stoker.Sample(plain, ((0, 8), (0, 12))),
+               stoker.Sample(packed, ((0, 8), (0, 12))), stoker.Sample(plain, past, pad="fill")]
+    got = _batches(_cfg(), samples)
+    stored = zarr.open_array(plain, mode="r")[:]
+    want = torch.from_numpy(stored.astype(np.float16))
+    assert float(want[0, 1]) == 281.25 and float(want[5, 9]) == 281.25
+    assert torch.equal(got[0][1], want), (got[0][1], want)
+    padded = np.full((8, 12), 281.125003)
+    padded[:6, :8] = stored[2:, 4:]
+    assert torch.equal(got[1][1], torch.from_numpy(padded.astype(np.float16))), got[1][1]

@@ -20,6 +20,12 @@ from stoker.reader.array import ArrayReader
 from stoker.records import Concat, Loader, Pad, ZarrRecords, compute_stats, denormalize, knn_graph, normalize, precompute
 
 
+def _first(loader):
+    """``loader``'s first batch, the loader closed after it (its reader threads end with the test)."""
+    with loader:
+        return next(iter(loader))
+
+
 def write_graphs(root: str, nodes: list[int], index_dtype: str) -> None:
     """Record i: ``points (nodes[i], 2)`` and ``edges (2, nodes[i])`` (each node to the last one) of
     ``index_dtype``, as compact meshes are stored."""
@@ -36,9 +42,8 @@ def test_incremented_indices_never_wrap_around_a_narrow_dtype(tmp_path, index_dt
     nodes = [limit // 2 + 1 + i for i in range(3)]
     write_graphs(str(tmp_path), nodes, index_dtype)
     ds = ZarrRecords(str(tmp_path), fields={"points": ("N", 2), "edges": (2, "E")})
-    loader = Loader(ds, 3, collate=Concat(increment={"edges": "N"}), shuffle=False, n_threads=1)
     with pytest.raises(DtypeMismatch, match="'edges'") as info:
-        next(iter(loader))
+        _first(Loader(ds, 3, collate=Concat(increment={"edges": "N"}), shuffle=False, n_threads=1))
     assert "int64" in str(info.value) and info.value.context["sample"] in ds.names
     # Without named dims (the legacy layout, indexing a field) alike.
     legacy = [{"points": torch.zeros(n, 2), "edges": torch.from_numpy(np.full(n, n - 1, dtype=index_dtype))}
@@ -53,7 +58,7 @@ def test_incremented_indices_keep_their_dtype_where_they_fit(tmp_path, index_dty
     nodes = [5, 6, 7]
     write_graphs(str(tmp_path), nodes, index_dtype)
     ds = ZarrRecords(str(tmp_path), fields={"points": ("N", 2), "edges": (2, "E")})
-    batch = next(iter(Loader(ds, 3, collate=Concat(increment={"edges": "N"}), shuffle=False, n_threads=1)))
+    batch = _first(Loader(ds, 3, collate=Concat(increment={"edges": "N"}), shuffle=False, n_threads=1))
     want = np.concatenate([zarr.open_array(os.path.join(ds.metadata(i).path, "edges"))[:].astype(np.int64)
                            + sum(nodes[:i]) for i in range(3)], axis=1)
     assert batch["edges"].dtype == torch.from_numpy(np.zeros(0, dtype=index_dtype)).dtype
@@ -138,12 +143,11 @@ def test_a_transform_that_changes_a_field_s_dims_is_not_joined_by_the_stored_spe
     def first_step(s):
         return {**s, "mesh_pos": s["mesh_pos"][0]}
 
-    loader = Loader(ds, 1, collate=Concat(increment={"edges": "N"}), shuffle=False, transform=first_step)
     with pytest.raises(RankMismatch, match="'mesh_pos'.*dims="):
-        next(iter(loader))
+        _first(Loader(ds, 1, collate=Concat(increment={"edges": "N"}), shuffle=False, transform=first_step))
     # Told the samples' dims, it joins them right: the oracle is zarr-python's step 0 of each record.
     collate = Concat(increment={"edges": "N"}, dims={"mesh_pos": ("N", 3), "edges": (2, "E")})
-    batch = next(iter(Loader(ds, 3, collate=collate, shuffle=False, transform=first_step)))
+    batch = _first(Loader(ds, 3, collate=collate, shuffle=False, transform=first_step))
     stored = [zarr.open_group(ds.metadata(i).path, mode="r") for i in range(3)]
     assert np.array_equal(batch["mesh_pos"].numpy(), np.concatenate([g["mesh_pos"][0] for g in stored]))
     assert batch["batch"].tolist() == [0] * 4 + [1] * 5 + [2] * 6

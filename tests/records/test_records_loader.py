@@ -29,6 +29,12 @@ from gloo_ranks import gloo_group, spawn_ranks, write_result
 N_RECORDS = 13
 
 
+def _first(loader):
+    """``loader``'s first batch, the loader closed after it (its reader threads end with the test)."""
+    with loader:
+        return next(iter(loader))
+
+
 def write_dataset(root: str, n: int = N_RECORDS) -> None:
     """Record i: ``points`` (2 + i % 5, 3) float32, ``cells`` (1 + i % 3, 2) int32 indexing points, ``rid`` (1,)."""
     for i in range(n):
@@ -122,12 +128,12 @@ def test_pad_matches_a_manual_reference(ds):
 
 
 def test_concat_increment_shifts_indices_and_a_callable_collates(ds):
-    batch = next(iter(Loader(ds, 3, collate=Concat(increment={"cells": "points"}), shuffle=False)))
+    batch = _first(Loader(ds, 3, collate=Concat(increment={"cells": "points"}), shuffle=False))
     samples = [ds[i] for i in range(3)]
     offset = np.cumsum([0] + [len(s["points"]) for s in samples[:-1]])
     assert torch.equal(batch["cells"], torch.cat([s["cells"] + int(o) for s, o in zip(samples, offset)]))
     assert torch.equal(batch["points"][batch["cells"][-1].long()], samples[2]["points"][samples[2]["cells"][-1].long()])
-    got = next(iter(Loader(ds, 3, collate=lambda xs: [int(x["rid"][0]) for x in xs], shuffle=False)))
+    got = _first(Loader(ds, 3, collate=lambda xs: [int(x["rid"][0]) for x in xs], shuffle=False))
     assert got == [0, 1, 2]
 
 
@@ -330,6 +336,27 @@ def test_a_read_error_reaches_the_consumer_after_the_batches_before_it(ds):
     assert ids(loader2)[0] == [6, 7]
 
 
+def test_close_after_a_read_error_waits_for_the_other_readers(ds):
+    """A record fails at once while another reader is in a long read: the error reaches the consumer at once,
+    and the loader's close() then returns once that reader has ended (it returned at once, leaving the thread
+    running into the next test)."""
+
+    class FailsFirst(Slow):
+        def __getitem__(self, i: int) -> dict:
+            if i == 0:
+                raise ValueError("cannot read record 0")
+            time.sleep(0.5)
+            return self.base[i]
+
+    baseline = readers()
+    loader = Loader(FailsFirst(ds), 2, shuffle=False, n_threads=2, prefetch=1)
+    with pytest.raises(ValueError, match="cannot read record 0"):
+        next(iter(loader))
+    assert readers() - baseline  # (the other reader is in its read)
+    loader.close()
+    assert readers() - baseline == set()
+
+
 def test_a_stuck_read_times_out(ds):
     baseline = readers()
     loader = Loader(Slow(ds, delay=1.5), 2, timeout_s=0.1, n_threads=1)
@@ -342,8 +369,8 @@ def test_a_stuck_read_times_out(ds):
 
 
 def test_cpu_device_is_a_pass_through(ds):
-    a = next(iter(Loader(ds, 4, shuffle=False, device="cpu")))
-    b = next(iter(Loader(ds, 4, shuffle=False)))
+    a = _first(Loader(ds, 4, shuffle=False, device="cpu"))
+    b = _first(Loader(ds, 4, shuffle=False))
     assert all(torch.equal(a[k], b[k]) and a[k].device.type == "cpu" for k in b)
     with pytest.raises(InvalidArgument, match="device"):
         Loader(ds, 4, device="nonsense")

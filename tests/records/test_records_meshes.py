@@ -27,6 +27,12 @@ N_RECORDS = 7
 SPEC = {"mesh_pos": ("T", "N", 3), "thickness": ("N",), "edges": (2, "E"), "params": (4,)}
 
 
+def _first(loader):
+    """``loader``'s first batch, the loader closed after it (its reader threads end with the test)."""
+    with loader:
+        return next(iter(loader))
+
+
 def write_meshes(root: str, n: int = N_RECORDS, odd: int | None = None) -> None:
     """Record i: N = 3 + i nodes, E = 2 * N edges indexing them; record ``odd`` has a 5-entry ``params``."""
     for i in range(n):
@@ -103,8 +109,9 @@ def test_batch_key_names_the_node_vector_and_a_dataloader_binds_by_hand(root):
 def test_a_field_that_cannot_be_stacked_names_its_record(tmp_path):
     write_meshes(str(tmp_path), n=4, odd=2)
     ds = ZarrRecords(str(tmp_path), fields={**SPEC, "params": (None,)})
-    with pytest.raises(RankMismatch, match=r"record 'run_002.zarr'.*field 'params'") as info:
-        list(Loader(ds, 4, collate=Concat(increment={"edges": "N"}), shuffle=False))
+    with Loader(ds, 4, collate=Concat(increment={"edges": "N"}), shuffle=False) as loader, \
+            pytest.raises(RankMismatch, match=r"record 'run_002.zarr'.*field 'params'") as info:
+        list(loader)
     assert info.value.sample == "run_002.zarr" and info.value.field == "params"
 
 
@@ -116,7 +123,7 @@ def test_a_field_varying_along_two_dims_is_refused_up_front(tmp_path):
     with pytest.raises(InvalidArgument, match=r"'grid'.*\['H', 'W'\].*along="):
         Loader(ds, 2)
     with pytest.raises(RankMismatch, match=r"record 'r1.zarr'.*only dim 'H' \(axis 0\) may differ"):
-        next(iter(Loader(ds, 2, collate=Concat(along={"H": ["grid"]}), shuffle=False)))
+        _first(Loader(ds, 2, collate=Concat(along={"H": ["grid"]}), shuffle=False))
     with pytest.raises(RankMismatch, match="stacked"):
         Concat(along={})([ds[0], ds[1]])
 
@@ -164,7 +171,7 @@ def test_transform_errors_reach_the_consumer_naming_the_record(root):
         raise ValueError("no")
 
     with pytest.raises(ValueError, match="no") as info:
-        next(iter(Loader(ds, 2, shuffle=False, transform=bad)))
+        _first(Loader(ds, 2, shuffle=False, transform=bad))
     assert any("transformed record" in note for note in getattr(info.value, "__notes__", []))
     with pytest.raises(InvalidArgument, match="transform"):
         Loader(ds, 2, transform="normalize")
@@ -196,7 +203,7 @@ def test_the_trainer_counts_samples_not_nodes(tmp_path, fields, key):
         g.create_array("pos", data=np.random.default_rng(i).normal(size=(50 + 10 * i, 3)).astype("f4"))
     ds = ZarrRecords(str(tmp_path), fields=fields)
     loader = Loader(ds, 2, shuffle=False)
-    assert key in next(iter(Loader(ds, 2, shuffle=False)))
+    assert key in _first(Loader(ds, 2, shuffle=False))
     model = Points()
     trainer = st.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.01),
                          lambda m, b: m(b["pos"]).pow(2).mean(), device="cpu", progress=False,
@@ -320,7 +327,7 @@ def test_precompute_normalized_with_builds_the_graph_the_model_sees(tmp_path):
 def test_the_docs_pyg_recipe_matches_pygs_own_batching(root):
     pyg = pytest.importorskip("torch_geometric.data")
     ds = ZarrRecords(root, fields=SPEC)
-    b = next(iter(Loader(ds, 3, collate=Concat(increment={"edges": "N"}), shuffle=False)))
+    b = _first(Loader(ds, 3, collate=Concat(increment={"edges": "N"}), shuffle=False))
     counts = torch.bincount(b["batch"], minlength=b.num_samples)  # the recipe of docs/records.md
     mine = pyg.Batch(pos=b["mesh_pos"][0], thickness=b["thickness"], edge_index=b["edges"], params=b["params"],
                      batch=b["batch"], ptr=torch.cat([counts.new_zeros(1), counts.cumsum(0)]))
@@ -396,9 +403,9 @@ def test_a_dim_that_index_fields_point_into_is_joined_even_when_every_record_has
         g.create_array("points", data=np.full((5, 3), i, "f4"))
         g.create_array("knn", data=np.tile(np.arange(5, dtype="i8")[:, None], (1, 2)))
     ds = ZarrRecords(str(tmp_path), fields={"points": ("N", 3), "knn": ("N", 2)})
-    stacked = next(iter(Loader(ds, 4, shuffle=False)))  # nothing varies, nothing points into N: stacked
+    stacked = _first(Loader(ds, 4, shuffle=False))  # nothing varies, nothing points into N: stacked
     assert stacked["points"].shape == (4, 5, 3) and set(stacked) == {"points", "knn"}
-    joined = next(iter(Loader(ds, 4, collate=Concat(increment={"knn": "N"}), shuffle=False)))
+    joined = _first(Loader(ds, 4, collate=Concat(increment={"knn": "N"}), shuffle=False))
     assert joined["points"].shape == (20, 3) and joined["knn"].shape == (20, 2)
     assert torch.equal(joined["knn"][5:10, 0], torch.arange(5, 10))
     assert torch.equal(joined["batch"], torch.arange(4).repeat_interleave(5))

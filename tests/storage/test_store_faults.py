@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 
 import pytest
 
@@ -457,3 +458,26 @@ def test_a_fault_of_the_event_loop_thread_fails_pending_and_later_requests_at_on
         assert again.value is err
     s.close()
     assert not hooked
+
+
+def test_a_range_server_shut_down_leaves_no_connection_thread(tmp_path):
+    """The tests' RangeServer (tests/range_server.py) shut down as socketserver's servers are (many tests call
+    ``server.shutdown()``) drops its keep-alive connections too: socketserver's shutdown alone left each one's
+    handler thread waiting for a next request, running into the tests after it on the same worker."""
+    import http.client
+
+    (tmp_path / "a").write_bytes(b"abc")
+    before = set(threading.enumerate())
+    server = RangeServer(str(tmp_path))
+    conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=10)
+    try:
+        conn.request("GET", "/a")
+        assert conn.getresponse().read() == b"abc"  # the connection stays open (HTTP/1.1)
+        server.shutdown()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and [t for t in threading.enumerate() if t not in before]:
+            time.sleep(0.01)
+        assert [t.name for t in threading.enumerate() if t not in before] == []
+    finally:
+        conn.close()
+        server.stop()

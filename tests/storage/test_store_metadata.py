@@ -168,3 +168,35 @@ def test_a_v2_entry_farther_up_than_the_walk_goes_is_never_taken():
             if name == "deep":
                 shapes.append(tuple(meta.shape))
         assert shapes == [(50, 30), (50, 30)], order
+
+
+@pytest.mark.parametrize("fmt", [3, 2])
+def test_a_group_s_document_is_parsed_once(tmp_path, monkeypatch, fmt):
+    """group_node of a group with attributes (an OME image's ``multiscales``, written by zarr-python, not
+    consolidated) reads its document once and parses it once, and its attributes are zarr-python's: the check
+    that the reply was whole parsed it, then reading the node parsed it again."""
+    import json
+
+    from stoker.storage import hierarchy as hierarchy_mod
+
+    root = str(tmp_path / "g.zarr")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        group = zarr.open_group(root, mode="w", zarr_format=fmt)
+        group.attrs["multiscales"] = [{"version": "0.4", "datasets": [{"path": "0"}]}]
+        group.create_array("0", shape=(4,), chunks=(2,), dtype="int16")
+        want = dict(zarr.open_group(root, mode="r").attrs)
+    values = {f"x/g.zarr/{k}": v for k, v in read_tree(root).items()}
+    doc = values["x/g.zarr/" + ("zarr.json" if fmt == 3 else ".zattrs")]
+    counted = CountingStore(MemoryStore(values))
+    parsed, real = [], json.loads
+
+    def loads(raw, *args, **kw):
+        if raw == doc:
+            parsed.append(raw)
+        return real(raw, *args, **kw)
+
+    monkeypatch.setattr(hierarchy_mod.json, "loads", loads)
+    node = Hierarchy(counted).group_node("x/g.zarr", "memory://x/g.zarr", fmt)
+    assert node == (fmt, want, True)
+    assert len(parsed) == 1 and counted.counters.requests == 1, (len(parsed), counted.counters.requests)

@@ -396,6 +396,11 @@ def _over(tensor: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> t
     return torch.empty(0, dtype=dtype).set_(tensor.untyped_storage(), 0, shape)
 
 
+#: The longest :meth:`SlotRing.acquire` sleeps while every slot is busy: a bound, not a poll (a release and a
+#: close wake it).
+BUSY_WAIT_S = 1.0
+
+
 class SlotRing:
     """``n`` batch slots; :meth:`acquire` returns one no consumer can still see.
 
@@ -480,9 +485,11 @@ class SlotRing:
     def acquire(self, cancelled: Callable[[], bool], timeout: float | None = None) -> Slot | None:
         """A free slot (marked busy), or None after ``timeout``. A slot given back but still viewed (or still
         read by a CUDA copy) frees without telling us, so while there is one this polls (2 ms); while every
-        slot is busy only :meth:`release` frees one, and it notifies, so the wait is long (50 ms): a
-        coordinator waiting for a slot then takes the GIL from a busy training loop once a release, not 500
-        times a second."""
+        slot is busy only :meth:`release` frees one, and it notifies, and a close wakes the waiter
+        (:meth:`wake`, which the executors' ``shutdown`` calls), so the wait is long (:data:`BUSY_WAIT_S`, a
+        bound only): a coordinator waiting for a slot takes the GIL from a busy training loop once a release,
+        not 500 times a second, and an idle pipeline's (every slot full, the consumer away) sleeps, where
+        waking every 50 ms to look cost it 2 ms of CPU a second."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:
@@ -495,8 +502,14 @@ class SlotRing:
                 now = time.monotonic()
                 if deadline is not None and now >= deadline:
                     return None
-                wait = 0.05 if all(s.busy for s in self.slots) else 0.002
+                wait = BUSY_WAIT_S if all(s.busy for s in self.slots) else 0.002
                 gil.wait(self._cond, wait if deadline is None else min(wait, deadline - now))
+
+    def wake(self) -> None:
+        """Wake every :meth:`acquire` waiting, to look at its ``cancelled`` again (an executor's shutdown: the
+        close sets what it looks at first)."""
+        with self._cond:
+            self._cond.notify_all()
 
     def release(self, slot: Slot, ready_after=None, stream_waits: list | None = None) -> None:
         """Give ``slot`` back; with ``ready_after`` (a CUDA event) it is reused only once that event completed,

@@ -216,14 +216,20 @@ def numpy_view(t: torch.Tensor) -> np.ndarray | None:
         return None
 
 
-def copy_cast(dst: torch.Tensor | np.ndarray, src: np.ndarray) -> None:
+def copy_cast(dst: torch.Tensor | np.ndarray, src: np.ndarray, half_next: bool = False) -> None:
     """``dst[...] = src`` with the module's casting rules; ``src`` may be strided or byte-swapped.
 
     ``dst`` is a numpy view where numpy has the dtype (the fast path: numpy casts
     with one correct rounding), else a torch tensor (bfloat16: via float32).
+    ``half_next``: ``dst`` is a float32 work buffer rounded into float16 next (an ``"f16"`` batch made in
+    float32 for its CF decoding): a float64 ``src`` goes in as :func:`half_exact` says, so that rounding is
+    NumPy's one rounding of ``src`` (rounded to nearest into float32 first, a value just past a float16 tie
+    landed on the tie and went to even: 281.125001 became 281.0, not 281.25).
     """
     if not src.dtype.isnative:
         src = src.astype(src.dtype.newbyteorder("="))
+    if half_next and src.dtype == np.float64 and dst.dtype in (np.float32, torch.float32):
+        src = half_exact(src)
     if isinstance(dst, np.ndarray):
         gil.released(np.copyto, dst, src, casting="unsafe")
     elif dst.dtype in _NUMPY_OUT or dst.dtype == torch_dtype_of(src.dtype):
@@ -232,13 +238,26 @@ def copy_cast(dst: torch.Tensor | np.ndarray, src: np.ndarray) -> None:
         gil.released(dst.copy_, torch.from_numpy(np.array(src) if src.ndim == 0 else src))  # a 0-d copy stays 0-d
 
 
-def fill_value_as(fill: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    """A 0-d tensor holding ``fill`` converted by the same rules as :func:`copy_cast`, unchecked: a fill value
-    past ``dtype`` is refused by :func:`check_fill` with a DtypeMismatch, so numpy's overflow warning is kept
-    quiet here (under warnings-as-errors it would reach the consumer instead of that typed error)."""
+def fill_value_as(fill: np.ndarray, dtype: torch.dtype, half_next: bool = False) -> torch.Tensor:
+    """A 0-d tensor holding ``fill`` converted by the same rules as :func:`copy_cast` (``half_next`` too),
+    unchecked: a fill value past ``dtype`` is refused by :func:`check_fill` with a DtypeMismatch, so numpy's
+    overflow warning is kept quiet here (under warnings-as-errors it would reach the consumer instead of that
+    typed error)."""
     out = torch.empty((), dtype=dtype)
     with np.errstate(over="ignore", invalid="ignore"):
-        copy_cast(out, np.asarray(fill))
+        copy_cast(out, np.asarray(fill), half_next)
+    return out
+
+
+def half_exact(t: np.ndarray) -> np.ndarray:
+    """float32 values of float64 ``t`` whose rounding into float16 is ``t``'s one rounding, as NumPy casts it:
+    ``t``'s float16 itself (exact in float32), except where that is inf and ``t`` finite, which keeps ``t``'s
+    float32, so the check of the rounding into float16 after names the value (a DtypeMismatch, never an inf).
+    The CPU's rule of :func:`stoker.engine.cpu.cf.round_to_odd_`, for values placed rather than decoded."""
+    with np.errstate(over="ignore"):  # past float16: inf, left out below (past float32: refused before)
+        half = t.astype(np.float16)
+        out = t.astype(np.float32)
+    np.copyto(out, half, where=np.isfinite(half) | ~np.isfinite(t))
     return out
 
 

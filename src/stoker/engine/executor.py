@@ -166,6 +166,9 @@ class Job:
         self.out = out
         # made when first asked for: the engine's batches never need it
         self._out_np: np.ndarray | None | _Unset = _UNSET
+        # ``out`` is a float32 work slot rounded into float16 next, untransformed: float64 chunks and fill
+        # values go in as cast.half_exact says (copy_cast's half_next), so the batch is rounded once
+        self.half_next = False
         self.done = Done()
         self.error: BaseException | None = None
         self._state = RUNNING

@@ -145,6 +145,9 @@ class Loader:
         self._received = 0
         self._hold = False  # set_epoch/load_state_dict chose this epoch: do not leave it when complete
         self._work: _Work | None = None
+        # the threads of an iteration that ended at an error, not waited for then (the error is reported at
+        # once): close() waits for them, as it does for a running iteration's
+        self._unjoined: _Work | None = None
         self._closed = False
         self._split_cache: tuple[Any, np.ndarray] | None = None
 
@@ -269,9 +272,13 @@ class Loader:
             self._work = None
 
     def close(self) -> None:
-        """Stop the reader threads (returns within about a second) and refuse further iteration."""
+        """Stop the reader threads (returns within about a second), those of an iteration that ended at an error
+        too, and refuse further iteration."""
         self._closed = True
         self._stop_work()
+        unjoined, self._unjoined = self._unjoined, None
+        if unjoined is not None:
+            unjoined.close()
 
     def __enter__(self) -> "Loader":
         return self
@@ -328,6 +335,8 @@ class _Iter:
         self._work.close(join)
         if self._loader._work is self._work:
             self._loader._work = None
+            if not join:  # (an error: reported now, its threads waited for at the loader's close)
+                self._loader._unjoined = self._work
 
 
 class _Work:

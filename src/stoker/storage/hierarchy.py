@@ -57,19 +57,30 @@ def read_group_node(read: Callable[[str], bytes | None], fmt: int | None = None)
     ``zarr.json``, a group when its ``node_type`` is "group" (else attributes None). v2: ``.zattrs`` present,
     else ``.zgroup`` (a group written with no attributes), both read as a group's. Attributes that are no JSON
     object read as None: no attribute of them is found."""
+    return group_node_of(lambda name, parse: _ABSENT if (raw := read(name)) is None else _json(raw) if parse else raw,
+                         fmt)
+
+
+#: What a loader of :func:`group_node_of` gives for a document that is not there.
+_ABSENT = object()
+
+
+def group_node_of(load: Callable[[str, bool], Any], fmt: int | None = None) -> tuple[int, Any, bool] | None:
+    """:func:`read_group_node` from ``load(name, parse)``: the node's document ``name`` parsed (None where it
+    is no JSON) when ``parse``, else anything but ``_ABSENT`` (only whether it is there counts: ``.zgroup``),
+    and ``_ABSENT`` where there is none; each document is loaded, and parsed, once."""
     if fmt != 2:
-        raw = read("zarr.json")
-        if raw is not None:
-            doc = _json(raw)
+        doc = load("zarr.json", True)
+        if doc is not _ABSENT:
             if not isinstance(doc, dict) or doc.get("node_type") != "group":
                 return 3, None, False
             return 3, _json_object(doc.get("attributes", {})), True
         if fmt == 3:
             return None
-    raw = read(".zattrs")
-    if raw is not None:
-        return 2, _json_object(_json(raw)), True
-    return (2, {}, True) if read(".zgroup") is not None else None
+    doc = load(".zattrs", True)
+    if doc is not _ABSENT:
+        return 2, _json_object(doc), True
+    return (2, {}, True) if load(".zgroup", False) is not _ABSENT else None
 
 
 def _json(raw: bytes) -> Any:
@@ -77,14 +88,6 @@ def _json(raw: bytes) -> Any:
         return json.loads(raw)
     except ValueError:
         return None  # no document stoker can read: nothing is found in it
-
-
-def _parses(raw: bytes) -> bool:
-    try:
-        json.loads(raw)
-    except ValueError:
-        return False
-    return True
 
 
 def second_reply(first: bytes, get: Callable[[], bytes | None]) -> bytes:
@@ -230,20 +233,26 @@ class Hierarchy:
         else:
             # never read; or no zarr.json there (known None: nor .zmetadata), so v2's own documents are left;
             # or a v2 group known by its .zmetadata, whose .zattrs is read as it is now
-            node = read_group_node(lambda name: self._read_twice_if_torn(_join(group, name), uri),
-                                   fmt if known is self else 2)
+            node = group_node_of(lambda name, parse: self._load_twice_if_torn(_join(group, name), uri, parse),
+                                 fmt if known is self else 2)
         with self._lock:
             return self._nodes.setdefault(key, node)
 
-    def _read_twice_if_torn(self, key: str, uri: str) -> bytes | None:
-        """The document at ``key`` (None: none), read once more where it is no JSON: a reply cut short with
-        headers that agree (a faulty server or proxy) reads as a malformed document, which a group's node keeps
-        for the store's life as "no attributes" (an OME image's ``multiscales`` lost, its levels no levels):
-        :func:`second_reply`."""
+    def _load_twice_if_torn(self, key: str, uri: str, parse: bool) -> Any:
+        """The document at ``key`` as :func:`group_node_of` loads it (parsed once, when ``parse``; ``_ABSENT``:
+        none), read once more where it is no JSON: a reply cut short with headers that agree (a faulty server
+        or proxy) reads as a malformed document, which a group's node keeps for the store's life as "no
+        attributes" (an OME image's ``multiscales`` lost, its levels no levels): :func:`second_reply`."""
         raw = self.read(key, uri, optional=True)
-        if raw is None or _parses(raw):
+        if raw is None:
+            return _ABSENT
+        if not parse:
             return raw
-        return second_reply(raw, lambda: self.read(key, uri, optional=True))
+        try:
+            return json.loads(raw)
+        except ValueError:
+            again = second_reply(raw, lambda: self.read(key, uri, optional=True))
+        return _json(again) if again is not raw else None  # (gone at the second read: the first is all there is)
 
     def group_entries(self, group: str, uri: str) -> tuple[int, dict] | None:
         """``(zarr_format, entries)`` of the consolidated metadata of the group at ``group`` (keys relative

@@ -113,6 +113,12 @@ def batch_kind(out: torch.Tensor) -> int | None:
     return _BATCH_KINDS.get(out.dtype, native.KIND_SAME)
 
 
+def _float64(reader) -> bool:
+    """Whether ``reader``'s chunks decode to float64 (either byte order)."""
+    dt = reader.metadata.codec.dtype
+    return dt.kind == "f" and dt.itemsize == 8
+
+
 _FILL_WORDS: dict[tuple, int] = {}  # (fill value's dtype and bytes, batch dtype) -> its S_FILL word
 
 
@@ -615,13 +621,18 @@ class NativeDecoder:
             return shared_source(reader, dtype, kind, self.scratch_bytes)
         return _Source(reader, dtype, kind, self.scratch_bytes)
 
-    def _source_set(self, readers: list, dtype: torch.dtype, kind: int | None) -> "_SourceSet":
+    def _source_set(self, readers: list, dtype: torch.dtype, kind: int | None,
+                    half_next: bool = False) -> "_SourceSet":
         """The engine's view of a batch's arrays, kept while the same arrays come again (a training run over
-        one volume plans every batch from the same array): the per-array rows, their table and path blob."""
-        key = (tuple(map(id, readers)), dtype, kind)  # a kept set holds its readers: their ids stay theirs
+        one volume plans every batch from the same array): the per-array rows, their table and path blob.
+        ``half_next`` (:attr:`~.executor.Job.half_next`): float64 arrays are left to the Python path, whose cast
+        places their values as :func:`~stoker.engine.cast.half_exact` says (the engine rounds them to nearest)."""
+        key = (tuple(map(id, readers)), dtype, kind, half_next)  # a kept set holds its readers: their ids stay
         held = self._sets.get(key)
         if held is None:  # many arrays (batches of random ones) rarely repeat a set: a few kept
-            held = remember(self._sets, key, _SourceSet(readers, [self._source(r, dtype, kind) for r in readers]), 256)
+            kinds = [None if half_next and _float64(r) else kind for r in readers]
+            held = remember(self._sets, key, _SourceSet(readers, [self._source(r, dtype, k)
+                                                                  for r, k in zip(readers, kinds)]), 256)
         return held
 
     def submit(self, job: Job) -> None:
@@ -634,7 +645,7 @@ class NativeDecoder:
         plan: TablePlan = job.plan
         out = job.out
         kind = batch_kind(out)
-        sources = self._source_set(plan.sources, out.dtype, kind)
+        sources = self._source_set(plan.sources, out.dtype, kind, job.half_next)
         if sources.all_engine:  # every array's chunks, stored or not, are the engine's: nothing to sort
             eids = None
         elif sources.all_fetched and plan.n_chunks and (plan.chunk_file >= 0).all():

@@ -204,7 +204,7 @@ class PythonDecoder:
         for cid in chunk_ids:
             task = plan.chunks[cid]
             if task.source not in fills:
-                fills[task.source] = fill_value_as(plan.sources[task.source].metadata.fill_value, job.out.dtype)
+                fills[task.source] = fill_value_as(plan.sources[task.source].metadata.fill_value, job.out.dtype, job.half_next)
             self.run(self.guard, job, 1, self._fill, job, task, fills[task.source])
 
     def submit_reads(self, job: Job, reads: list[FileRead]) -> None:
@@ -437,7 +437,7 @@ class PythonDecoder:
         for cid, task in tasks:
             if task.path is None:  # empty in the new shard, or the shard is gone
                 self.guard(job, 1, self._fill, job, task,
-                           fill_value_as(plan.sources[task.source].metadata.fill_value, job.out.dtype))
+                           fill_value_as(plan.sources[task.source].metadata.fill_value, job.out.dtype, job.half_next))
             else:
                 again.append((cid, task))
 
@@ -460,7 +460,7 @@ class PythonDecoder:
             if data is None:  # a missing chunk is the fill value
                 res.done()
                 self.guard(job, 1, self._fill, job, task,
-                           fill_value_as(plan.sources[task.source].metadata.fill_value, job.out.dtype))
+                           fill_value_as(plan.sources[task.source].metadata.fill_value, job.out.dtype, job.half_next))
                 continue
             try:
                 self._compute.submit(self._guard_decode, job, task, memoryview(data), res, None, True)
@@ -556,7 +556,7 @@ class PythonDecoder:
                 task = chunks[0]
                 f = self.store.open_file(fr.path)
                 if f is None:  # an absent chunk file is the fill value
-                    fill = fill_value_as(plan.sources[task.source].metadata.fill_value, job.out.dtype)
+                    fill = fill_value_as(plan.sources[task.source].metadata.fill_value, job.out.dtype, job.half_next)
                     res.done()
                     self._fill(job, task, fill)
                     return
@@ -623,7 +623,7 @@ class PythonDecoder:
             task.path, task.offset, task.length, task.ident = loc.path, loc.offset, loc.length, loc.ident
         for cid, task in zip(fr.chunk_ids, tasks):
             if task.path is None:  # empty in the new shard, or the shard is gone
-                self.guard(job, 1, self._fill, job, task, fill_value_as(reader.metadata.fill_value, job.out.dtype))
+                self.guard(job, 1, self._fill, job, task, fill_value_as(reader.metadata.fill_value, job.out.dtype, job.half_next))
             else:
                 self.guard(job, 1, self.read_file, job, FileRead.inner_chunk(task.path, cid, task.offset, task.length),
                            on_compute, True)
@@ -683,7 +683,7 @@ class PythonDecoder:
             if span is not None:
                 reader = job.plan.sources[task.source]
                 raise range_error(reader.uri, task.key, reader.metadata.codec.dtype, job.out.dtype, span)
-            copy_cast(out[c.dst], src)
+            copy_cast(out[c.dst], src, job.half_next)
 
     def _guard_decode(self, job: Job, task: ChunkTask, encoded: memoryview, res: Reservation,
                       read_end: int | None = None, check: bool = False) -> None:

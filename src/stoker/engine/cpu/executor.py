@@ -60,6 +60,13 @@ def engine_available() -> bool:
     return native.Engine is not None
 
 
+def half_next(work: torch.Tensor, into: torch.dtype | None) -> bool:
+    """Whether a batch made in ``work`` is rounded into float16 next, untransformed (``into``: the output then,
+    None when a transform comes first): its float64 values then go into a float32 ``work`` as their one
+    rounding's float32 (:attr:`~.executor.Job.half_next`)."""
+    return into == torch.float16 and work.dtype == torch.float32
+
+
 class Decoders:
     """Plans batches and fills tensors in CPU memory: the compiled engine, or the Python path."""
 
@@ -80,18 +87,20 @@ class Decoders:
         return plan_tables(batch_id, samples, open_reader)
 
     def submit(self, plan: TablePlan, out: torch.Tensor, then: Callable[[Job], None] | None = None,
-               cf: bool = False) -> Job:
+               cf: bool = False, half_next: bool = False) -> Job:
         """Start making ``plan`` into ``out``; ``then(job)`` runs once every chunk is in place.
 
         A batch of multi-array samples, ``(B, C, *box)``, is made through its ``(B * C, *box)`` view: the
         plans' copy rows are ``b * C + c``, so neither path knows about channels. A batch with boxes past their
         arrays (``plan.pads``) has them filled first in the hook
-        (:func:`~stoker.engine.planning.padding.fill_padding`; ``cf``: CF attributes are decoded after it)."""
+        (:func:`~stoker.engine.planning.padding.fill_padding`; ``cf``: CF attributes are decoded after it).
+        ``half_next``: ``out`` is float32 rounded into float16 next (:attr:`~.executor.Job.half_next`)."""
         if plan.channels is not None:
             out = out.flatten(0, 1)
         if plan.pads:
-            then = _padded_then(plan, out, then, cf)
+            then = _padded_then(plan, out, then, cf, half_next)
         job = Job(plan, out, plan.n_chunks, then)
+        job.half_next = half_next
         if self.native is not None:
             self.native.submit(job)
         else:
@@ -115,10 +124,10 @@ class Decoders:
 
 
 def _padded_then(plan: TablePlan, out: torch.Tensor, then: Callable[[Job], None] | None,
-                 cf: bool = False) -> Callable[[Job], None]:
+                 cf: bool = False, half_next: bool = False) -> Callable[[Job], None]:
     """A completion hook that fills the padded crops of ``plan`` in ``out``, then runs ``then``."""
     def hook(job: Job) -> None:
-        fill_padding(plan.pads, plan.sources, out, cf=cf)
+        fill_padding(plan.pads, plan.sources, out, cf=cf, half_next=half_next)
         if then is not None:
             then(job)
     return hook
@@ -152,11 +161,11 @@ def engine_budget(left: int, python_need: int, threads: int, readers: list, held
 
 
 def take_slot(ring: SlotRing, closed: Callable[[], bool]) -> Slot:
-    """A free slot of ``ring``, waiting for one (ShutdownError once ``closed()``); the CPU and CUDA
-    executors' ``acquire``."""
+    """A free slot of ``ring``, waiting for one (ShutdownError once ``closed()``: the executor's
+    :meth:`~CpuExecutor.shutdown` wakes the wait); the CPU and CUDA executors' ``acquire``."""
     slot = None
     while slot is None:
-        slot = ring.acquire(closed, timeout=0.1)
+        slot = ring.acquire(closed)
     return slot
 
 
@@ -360,8 +369,9 @@ class CpuExecutor(SlotsDelivery):
         decode = plan_decoder(plan, self.cfg.cf, into)
         if self.cfg.transform is None and decode is None and target.host_slot is target.slot:
             return self.decoders.submit(plan, target.out)  # made in the delivered slot: nothing after it
+        # so are plain float64 arrays' values placed in that work (cast.half_exact): rounded once too
         return self.decoders.submit(plan, target.out, then=lambda job: self._transform(target, job, decode),
-                                    cf=decode is not None)
+                                    cf=decode is not None, half_next=half_next(target.out, into))
 
     def _transform(self, target: Target, job: Job, decode: RowDecode | None = None) -> None:
         t0 = time.perf_counter()
@@ -397,9 +407,12 @@ class CpuExecutor(SlotsDelivery):
 
     def shutdown(self) -> None:
         """Cancel work in flight: once this returns the engine writes into no batch; Python tasks stop at
-        their next check."""
+        their next check. A coordinator waiting for a slot is woken, to see the close."""
         if self.decoders is not None:
             self.decoders.shutdown()
+        for ring in (self.slots, self.host_slots):
+            if ring is not None:
+                ring.wake()
 
     def close(self) -> None:
         """After :meth:`shutdown`: the slots go back to the process's spare slots (``SlotRing.close``), for

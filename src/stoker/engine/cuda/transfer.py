@@ -53,7 +53,7 @@ from ..allocate import allocate
 from ..cast import staging_dtype
 from ..buffers import Slot, SlotRing, pinned_footprint
 from ..cpu.cf import RowDecode, plan_decoder
-from ..cpu.executor import CpuExecutor, take_slot
+from ..cpu.executor import CpuExecutor, half_next, take_slot
 from ..executor import Delivery, Job, Target
 from ..gpu import streams as streams_mod
 from ..gpu.streams import CudaStreams, HostStreams
@@ -315,10 +315,12 @@ class CudaExecutor(CpuExecutor):
 
     def submit(self, plan: TablePlan, target: Target) -> Job:
         # CF attributes, decoded on the device after the cast; rounded to odd for an untransformed f16 output
-        decode = plan_decoder(plan, self.cfg.cf, self.slots.dtype if self.cfg.transform is None else None)
+        into = self.slots.dtype if self.cfg.transform is None else None
+        decode = plan_decoder(plan, self.cfg.cf, into)
         transform = self.cfg.transform if decode is None else decode.then(self.cfg.transform)
-        return self.decoders.submit(plan, target.out,
-                                    then=lambda job: self._to_device(target, job, transform, decode))
+        # float64 arrays staged in float32 for an f16 output: placed as their one rounding's float32 (half_next)
+        return self.decoders.submit(plan, target.out, then=lambda job: self._to_device(target, job, transform, decode),
+                                    half_next=half_next(target.out, into))
 
     def _to_device(self, target: Target, job: Job, transform: Callable | None = None,
                    decode: RowDecode | None = None) -> None:

@@ -228,6 +228,15 @@ class GpuDecodeExecutor(SlotsDelivery):
             return torch.float32
         return dtype
 
+    @property
+    def half_next(self) -> bool:
+        """Whether batches are made in the float32 work buffer and rounded into float16 next, untransformed:
+        float64 arrays' values and fill values then go in as their one rounding's float32
+        (:attr:`~stoker.engine.executor.Job.half_next`; their chunks are cast on the CPU, see
+        :func:`~.sources.device_casts`), as the packed arrays' CF decoding makes them."""
+        return (self._work is not None and self._work.dtype == torch.float32 and self.cfg.transform is None
+                and self.dtype == torch.float16)
+
     def _device_need(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[int, int]:
         elements = self.cfg.batch_size * math.prod(shape)
         slot_bytes = elements * dtype.itemsize
@@ -424,7 +433,7 @@ class GpuDecodeExecutor(SlotsDelivery):
     # -- sources ----------------------------------------------------------------------------------
 
     def _source(self, reader, work: torch.dtype) -> Source:
-        return self._sources.get(reader, work)  # (host only)
+        return self._sources.get(reader, work, self.half_next)  # (host only)
 
     def _described(self, src: Source) -> None:
         """An array described for the first time: the first one decoded on the device after a first batch
@@ -440,7 +449,7 @@ class GpuDecodeExecutor(SlotsDelivery):
     def acquire(self, plan: TablePlan, closed: Callable[[], bool]) -> Target:
         slot = None
         while slot is None:
-            slot = self.slots.acquire(closed, timeout=0.1)
+            slot = self.slots.acquire(closed)  # (woken by shutdown)
         return Target(slot.tensor[:plan.rows], slot, None)
 
     def submit(self, plan: TablePlan, target: Target) -> Job:
@@ -492,6 +501,9 @@ class GpuDecodeExecutor(SlotsDelivery):
         self._closing = True
         self._stager.cancel()
         self._queue.put(None)
+        for ring in (self.slots, self.host_slots):  # a wait for a slot or a staging buffer sees the close
+            if ring is not None:
+                ring.wake()
 
     def close(self, wait: streams_mod.CloseWait | None = None) -> None:
         """Wait for the worker threads, then for the work queued on the streams, so no buffer is freed under
@@ -686,7 +698,8 @@ class GpuDecodeExecutor(SlotsDelivery):
         layout, held, cpu = layout_of(buf[:group.pos], how, at, size, out, nbytes, limit)
         for k in cpu.tolist():  # refused by the parser, or streams the device cannot take: the CPU decodes them
             c = int(cid[k])
-            raw = gpu_fallback.cpu_decode(plan, c, bytes(buf[at[k]:at[k] + size[k]]), dtype, self.stats, counts)
+            raw = gpu_fallback.cpu_decode(plan, c, bytes(buf[at[k]:at[k] + size[k]]), dtype, self.stats, counts,
+                                          self.half_next)
             pending.append(Pending(c, CPU, raw, aligned(len(raw))))
             self._notices.note(plan.sources[int(plan.chunk_source[c])].uri,
                                "frames the device does not decode (other compressors inside blosc, streams over "
@@ -858,7 +871,8 @@ class GpuDecodeExecutor(SlotsDelivery):
         self._backend.access(self.stream, writes=b.writes)  # (the tests' recorder: the batch written here)
         self._placer.fill(b.plan, b.sources, b.dest, fills)
         if b.plan.pads:  # boxes past their arrays: on the stream, after every chunk is placed
-            fill_padding(b.plan.pads, b.plan.sources, b.dest, upload, cf=b.decode is not None)
+            fill_padding(b.plan.pads, b.plan.sources, b.dest, upload, cf=b.decode is not None,
+                         half_next=self.half_next)
         self.stats.stage("assemble", time.perf_counter() - t0)
         if b.decode is not None or self.cfg.transform is not None:
             t0 = time.perf_counter()
@@ -955,7 +969,7 @@ class GpuDecodeExecutor(SlotsDelivery):
         _, fetched = self._stager.fetch(plan, sources, [cid], files, counts)
         if not fetched:
             return None
-        raw = gpu_fallback.cpu_decode(plan, cid, fetched[0].data, dtype, self.stats, counts)
+        raw = gpu_fallback.cpu_decode(plan, cid, fetched[0].data, dtype, self.stats, counts, self.half_next)
         return Pending(cid, CPU, raw, aligned(len(raw)))
 
     def _flush(self, wave: "_Wave") -> None:

@@ -35,9 +35,10 @@ def fetch(plan: TablePlan, cid: int, path: str | None):
     return reader.encoded_chunk(index)[1]
 
 
-def cpu_decode(plan: TablePlan, cid: int, data: Any, dtype: torch.dtype, stats, counts: dict) -> np.ndarray:
-    """Chunk ``cid`` decoded by its codec on the CPU and cast into ``dtype`` (the CPU path's rules), as
-    bytes in C order."""
+def cpu_decode(plan: TablePlan, cid: int, data: Any, dtype: torch.dtype, stats, counts: dict,
+               half_next: bool = False) -> np.ndarray:
+    """Chunk ``cid`` decoded by its codec on the CPU and cast into ``dtype`` (the CPU path's rules; ``half_next``:
+    float32 rounded into float16 next, :func:`~stoker.engine.cast.copy_cast`'s), as bytes in C order."""
     codec = plan.sources[int(plan.chunk_source[cid])].metadata.codec
     key = plan.key(cid)
     codec.check_stored_size(len(data), key)
@@ -49,7 +50,7 @@ def cpu_decode(plan: TablePlan, cid: int, data: Any, dtype: torch.dtype, stats, 
         raise range_error(reader.uri, key, codec.dtype, dtype, span)
     out = torch.empty(codec.shape, dtype=dtype)
     view = numpy_view(out)
-    copy_cast(view if view is not None else out, chunk)
+    copy_cast(view if view is not None else out, chunk, half_next)
     stats.chunk(time.perf_counter() - t0, 0.0, len(data), codec.nbytes)
     counts["bytes_decoded"] += codec.nbytes
     counts["chunks_decoded"] += 1

@@ -69,8 +69,10 @@ class Source:
     fill: int
 
 
-def describe(reader, work: torch.dtype) -> Source:
-    """How ``reader``'s chunks are decoded into a ``work`` batch (on the host: nothing touches the device)."""
+def describe(reader, work: torch.dtype, half_next: bool = False) -> Source:
+    """How ``reader``'s chunks are decoded into a ``work`` batch (on the host: nothing touches the device);
+    ``half_next``: ``work`` is float32 rounded into float16 next (its fill value as
+    :func:`~stoker.engine.cast.half_exact` says)."""
     codec = reader.metadata.codec
     if work.itemsize not in _CARRIERS:  # (complex128 'native': its elements are moved as one integer each)
         raise NotYetSupported(
@@ -97,7 +99,7 @@ def describe(reader, work: torch.dtype) -> Source:
             "and the GPU decode fills missing chunks with it; use a wider dtype "
             f"({'f32' if work.is_floating_point else 'i64'!r} or 'native'), or "
             "Config(decode_on='cpu'), which fails only where a missing chunk is read", uri=reader.uri)
-    fill = int(fill_value_as(reader.metadata.fill_value, work).view(carrier(work)).item())
+    fill = int(fill_value_as(reader.metadata.fill_value, work, half_next).view(carrier(work)).item())
     return Source(how, why, element, aligned(nbytes), codec.max_stored_nbytes if how != CPU else nbytes,
                   np.array(c_strides(tuple(codec.shape)), np.int64), fill)
 
@@ -116,16 +118,16 @@ class Described:
     LIMIT = 4096
 
     def __init__(self, on_new: Callable[[Source], None] | None = None) -> None:
-        self._held: dict[tuple, tuple[Any, Source]] = {}  # (id(reader), dtype) -> (reader, its Source)
+        self._held: dict[tuple, tuple[Any, Source]] = {}  # (id(reader), dtype, half_next) -> (reader, its Source)
         self._on_new = on_new
 
-    def get(self, reader, work: torch.dtype) -> Source:
+    def get(self, reader, work: torch.dtype, half_next: bool = False) -> Source:
         """How ``reader``'s chunks are decoded into a ``work`` batch (:func:`describe`, once)."""
-        key = (id(reader), work)
+        key = (id(reader), work, half_next)
         held = self._held.get(key)
         if held is not None and held[0] is reader:
             return held[1]
-        src = describe(reader, work)
+        src = describe(reader, work, half_next)
         if self._on_new is not None:
             self._on_new(src)
         if len(self._held) > self.LIMIT:

@@ -278,8 +278,9 @@ class HybridExecutor:
             assert self.cpu.decoders is not None and host.out is not None
             if host.slot is not None:  # the host (the CPU engine's threads) writes the host slot from now on
                 self.gpu.backend.access(None, writes=[("host", host.slot.index)])
-            cpu_job = parts.cpu_job = self.cpu.decoders.submit(
-                subset(plan, cpu_ids), host.out, then=lambda _job: self._cpu_done(parts))
+            cpu_job = parts.cpu_job = self.cpu.decoders.submit(  # (in the GPU part's dtype, and its rounding)
+                subset(plan, cpu_ids), host.out, then=lambda _job: self._cpu_done(parts),
+                half_next=self.gpu.half_next)
             cpu_job.on_cancel(lambda: _fail_with(parts.job, cpu_job))
         else:  # no host part: its slot goes back now
             self._give_back_host(parts)

@@ -121,14 +121,16 @@ def pad_crop(row: int, source: int, box: Sequence[tuple[int, int]], shape: Seque
 
 
 def fill_padding(pads: Sequence[PadCrop], sources: Sequence[Any], out: torch.Tensor,
-                 upload: Callable[[np.ndarray, torch.device], torch.Tensor] | None = None, cf: bool = False) -> None:
+                 upload: Callable[[np.ndarray, torch.device], torch.Tensor] | None = None, cf: bool = False,
+                 half_next: bool = False) -> None:
     """Fill what the padded crops ``pads`` (a plan's ``pads``) leave, in ``out`` (the batch, rows ``b * C + c``,
     on the host or a device; with every chunk in place): constants as the array's fill value (``"fill"``, cast
     by the decoders' rules into ``out``'s dtype; ``sources``: the plan's readers) or zeros, the rest copied
     within the crop's slot. ``upload`` moves index arrays to ``out``'s device (default: ``torch.as_tensor``).
     ``cf``: CF attributes are decoded after this, so ``"fill"`` of an array with a CF ``_FillValue`` (or
     ``missing_value``) is that stored value, decoded to NaN, whatever the Zarr ``fill_value`` (xarray writes
-    a v3 array's as 0: decoded, a plausible ``add_offset``)."""
+    a v3 array's as 0: decoded, a plausible ``add_offset``). ``half_next``: ``out`` is float32 rounded into
+    float16 next (a float64 fill value goes in as :func:`~stoker.engine.cast.half_exact` says)."""
     carrier = _CARRIERS.get(out.dtype.itemsize) if out.dtype != torch.bool else torch.uint8
     flat = out.view(carrier) if carrier is not None else out
     device = out.device
@@ -149,7 +151,7 @@ def fill_padding(pads: Sequence[PadCrop], sources: Sequence[Any], out: torch.Ten
                     fill = torch.tensor(missing, dtype=out.dtype)
                 else:
                     check_fill(reader, out.dtype, "<padding: the array's fill value>")  # never a wrapped value
-                    fill = fill_value_as(reader.metadata.fill_value, out.dtype)
+                    fill = fill_value_as(reader.metadata.fill_value, out.dtype, half_next)
                 value = fills[pc.source] = (fill.view(carrier) if carrier is not None else fill).item()
             view.index_fill_(fix.axis, dst, value)
 
