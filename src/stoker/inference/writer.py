@@ -56,6 +56,7 @@ How the work is split (see docs/inference.md):
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 import time
 import warnings
@@ -123,6 +124,19 @@ def _plan_of(boxes: tuple[Box, ...]) -> _Plan:
     grid's regions repeat a few layouts (the interior ones all alike), so each layout's box arithmetic is done
     once, for every region and every writer of the process that has it; a plan is never changed."""
     return _Plan(list(boxes))
+
+
+@functools.lru_cache(maxsize=4096)
+def _axis_cut(a: int, b: int, t0: int, unit: int, n: int) -> tuple[tuple[int, tuple[int, int], slice], ...]:
+    """One axis of a tile's cut (:meth:`TileWriter._cut_of`): for each region an output box ``[a, b)`` touches
+    along an axis of ``n`` voxels cut into regions of ``unit``, the region's index, the part's extent (the box
+    cut to the region) and the part as a slice of the tile starting at ``t0``: :func:`~.blend.regions_of`,
+    :func:`~.blend.region_box`, :func:`~.blend.intersect` and :func:`~.blend.local` on one axis."""
+    cut = []
+    for i in range(a // unit, (b - 1) // unit + 1):
+        lo, hi = max(a, i * unit), min(b, min((i + 1) * unit, n))
+        cut.append((i, (lo, hi), slice(lo - t0, hi - t0)))
+    return tuple(cut)
 
 
 def _shift(box: Box, origin: Box) -> Box:
@@ -646,11 +660,18 @@ class TileWriter:
         past the array, before it looks the cut up)."""
         out = self._out(aabb, padded)
         inside = all(0 <= a < n for (a, _), n in zip(out, self.spatial))  # else never placed: see above
-        start = int(np.ravel_multi_index(tuple(a for a, _ in out), self.spatial)) if inside else -1
+        start = -1
+        if inside:  # np.ravel_multi_index of the box's first voxel, without a numpy call per tile
+            start = 0
+            for (a, _), n in zip(out, self.spatial):
+                start = start * n + a
+        # the product of each axis's cut (regions_of's C order): the tiles of a grid share a few positions per
+        # axis, whose cuts are made once (a tile's box arithmetic region by region was most of _setup)
+        axes = [_axis_cut(a, b, t0, u, n) for (a, b), (t0, _), u, n in zip(out, aabb, self.unit, self.spatial)]
         parts = []
-        for r in regions_of(out, self.unit):
-            box = intersect(out, region_box(r, self.unit, self.spatial))
-            parts.append((r, box, (Ellipsis,) + local(box, aabb)))
+        for combo in itertools.product(*axes):
+            r, box, at = zip(*combo)
+            parts.append((r, box, (Ellipsis,) + at))
         return start, parts
 
     def _plan(self, r: tuple[int, ...], parts: np.dtype) -> _Plan | None:
