@@ -41,7 +41,7 @@ def _region(parts: list, region: int, pool: BufferPool, blend: str = "hann", cha
     r = _Region(((0, region),) * 3, (channels,) if channels else (), blend, np.dtype("f4"), pool)
     for where, w, v, win in parts:
         v = np.stack([v + k for k in range(channels)]) if channels else v.copy()
-        r.parts.append((where, w, v, win))
+        r.parts.append((where, v, win))
         r.part_tiles.append(tuple((s.start, s.stop) for s in where))  # the order they are summed in
         r.parts_bytes += v.nbytes
     assert r.parts_bytes <= r.sums_bytes  # kept, not folded: the blend_parts path

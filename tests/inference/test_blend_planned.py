@@ -202,3 +202,33 @@ def test_a_prediction_for_a_tile_of_another_grid_is_refused(source, tmp_path):
     writer.write([batches[0][0][0]], batches[0][1][:1])
     with pytest.raises(InvalidArgument, match="no tile of the grid"):
         writer.write([other], batches[0][1][:1])
+
+
+@pytest.mark.parametrize("with_grid", [True, False])
+@pytest.mark.parametrize("blend", ["linear", "hann"])
+def test_a_weighted_writer_holds_no_whole_tile_s_weights(source, tmp_path, blend, with_grid):
+    """Each part's weights are the outer product of the axes' windows over it, which the compiled blend makes
+    voxel by voxel: a writer blending float parts into a float output never builds a whole tile's weights
+    (``blend.weights``: a 96^3 tile's are 7 MiB of float64, a 256^3 tile's 128 MiB, made by every writer and held
+    until it is dropped), and writes the same array."""
+    import tracemalloc
+
+    uri, _ = source
+    grid, batches = _batches(uri)
+    whole_tile = int(np.prod(TILE)) * 8  # float64
+    tracemalloc.start(8)
+    try:
+        writer = stoker.TileWriter(str(tmp_path / "o.zarr"), SHAPE, CHUNKS, "f4", blend=blend, crop=CROP,
+                                   grid=grid if with_grid else None, write_threads=0)
+        for samples, x in batches:
+            writer.write(samples, x)
+        # numpy's arrays are traced in a domain of their own; the writer's buffers are region-sized (16^3)
+        held = [t for t in tracemalloc.take_snapshot().traces
+                if t.domain == np.lib.tracemalloc_domain and t.size >= whole_tile]
+        writer.close()
+    finally:
+        tracemalloc.stop()
+    assert not held, [[f"{f.filename}:{f.lineno}" for f in t.traceback if "stoker" in f.filename] for t in held]
+    got = zarr.open_array(str(tmp_path / "o.zarr"), mode="r")[:]
+    want, _ = _write(str(tmp_path / "ref.zarr"), batches, blend, "f4", 0, grid=grid)
+    np.testing.assert_array_equal(got, want)

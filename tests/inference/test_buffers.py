@@ -237,7 +237,7 @@ def test_weighted_parts_are_copied_into_recycled_buffers(volume, tmp_path):
     parts = []
     for samples, x in stoker.CropDataset(grid, cfg, with_samples=True):
         writer.write(samples, model(x, 0))
-        parts += [id(values) for r in writer._open.values() for _, _, values, _ in r.parts]
+        parts += [id(values) for r in writer._open.values() for _, values, _ in r.parts]
     writer.close()
     assert parts and set(parts) <= set(seen)  # every part kept is a buffer from the pool
     assert len(set(seen)) < len(seen)  # and they came back and served again

@@ -137,3 +137,36 @@ def test_random_crops_with_pad_reach_past_arrays_shorter_than_the_crop(volume):
         with p.pop() as batch:
             got = torch.from_dlpack(batch).numpy().copy()
     np.testing.assert_array_equal(got, np.stack([_np_pad(data, s.aabb, "reflect") for s in samples[:8]]))
+
+
+@pytest.mark.parametrize("tile, stride, crop, chunks, pad", [
+    ((8, 12, 5), (5, 7, 3), 1, (4, 8, 3), None), ((8, 12, 5), (5, 7, 3), (1, 2, 1), (4, 8, 3), "reflect"),
+    ((13, 29, 7), (13, 29, 7), 0, (13, 29, 7), None), ((6, 6, 6), (2, 3, 4), (2, 0, 1), (5, 4, 7), "edge"),
+    ((4, 10, 3), (9, 20, 5), 0, (3, 3, 3), None)])
+def test_a_grid_s_tiles_are_cut_into_the_parts_box_arithmetic_gives(volume, tmp_path, tile, stride, crop, chunks, pad):
+    """Each tile of a grid is cut once, when the writer is made (a tile's regions, parts' boxes and slices of the
+    prediction, and where its output box starts): the cuts are what the box arithmetic of :mod:`.blend` gives
+    tile by tile (regions_of, region_box, intersect, local, and numpy's flat index), for tiles cut by a crop,
+    padded past the array, cropped away whole or shifted back at the far border."""
+    import warnings
+
+    from stoker.inference.blend import intersect, local, region_box, regions_of
+
+    uri, _ = volume
+    kw = {} if pad is None else {"pad": pad}
+    grid = stoker.TileGrid([uri], tile, stride=stride, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # a stride past the tile: gaps are said, not refused
+        writer = stoker.TileWriter(str(tmp_path / "o.zarr"), SHAPE, chunks, "f4", crop=crop, grid=grid,
+                                   write_threads=0)
+    assert writer._cuts
+    for (aabb, padded), (start, parts) in writer._cuts.items():
+        out = writer._out(aabb, padded)
+        inside = all(0 <= a < n for (a, _), n in zip(out, SHAPE))
+        assert start == (int(np.ravel_multi_index(tuple(a for a, _ in out), SHAPE)) if inside else -1)
+        want = []
+        for r in regions_of(out, writer.unit):
+            box = intersect(out, region_box(r, writer.unit, SHAPE))
+            want.append((r, box, (Ellipsis,) + local(box, aabb)))
+        assert list(parts) == want, aabb
+    writer.close()

@@ -48,9 +48,27 @@ def window(blend: str, length: int) -> np.ndarray:
 
 def weights(blend: str, tile: Sequence[int]) -> np.ndarray:
     """The weights of a whole tile: the outer product of the axes' windows."""
+    return weights_over([window(blend, n) for n in tile])
+
+
+def weights_over(windows: Sequence[np.ndarray], out: np.ndarray | None = None) -> np.ndarray:
+    """The weights over a box of a tile from each axis's window over it (``window(blend, n)[a:b]``): their
+    outer product, each weight the same float64 products in the same order as :func:`weights` makes them, so
+    ``weights_over([window(blend, n)[a:b] for ...]) == weights(blend, tile)[a:b, ...]`` bit for bit. Built
+    only where numpy blends a part (the compiled blend makes each weight from the windows itself), so a writer
+    never holds a whole tile's weights (a 256^3 tile: 128 MiB of float64); ``out``: where the last product
+    goes (recycled memory of the box's shape), else a new array.
+
+    >>> win = window("hann", 4)
+    >>> bool((weights_over([win[1:3], win]) == weights("hann", (4, 4))[1:3]).all())
+    True
+    """
     w = np.ones((), dtype=np.float64)
-    for n in tile:
-        w = np.multiply.outer(w, window(blend, n))
+    for k, win in enumerate(windows):
+        w = np.multiply.outer(w, win, out=out if k == len(windows) - 1 else None)
+    if out is not None and not windows:  # zero axes: the weight of a point is 1
+        out[...] = w
+        return out
     return w
 
 

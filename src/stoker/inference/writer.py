@@ -43,7 +43,10 @@ How the work is split (see docs/inference.md):
   float64 sums; one region is always let through, whatever its size; ``write()`` blocks for room). On top
   of that, each write thread takes for the region it writes its output in ``dtype`` and, for a weighted
   region whose parts overlap, float64 sums, products and sums of weights of the overlaps (each at most the
-  region's size, from the recycled buffers). A failed
+  region's size, from the recycled buffers; and where numpy blends them, not the compiled pass, a part's
+  weights, at most the region's size without channels). A part's weights are the outer product of the
+  axes' windows over it (:func:`~.blend.weights_over`), made only where numpy blends: no writer holds a
+  whole tile's. A failed
   write is raised at the next ``write()`` or at ``close()``, and ``close()`` waits for the writes
   (``write_timeout_s`` bounds every wait). ``write_threads=0`` writes on the caller's thread. Whole chunks
   are encoded on the write threads and stored through zarr-python's store API where the layout allows
@@ -53,6 +56,7 @@ How the work is split (see docs/inference.md):
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 import time
 import warnings
@@ -67,7 +71,7 @@ from ..sampling.sample import Sample, box_of
 from ..sampling.samplers import SampleList, TileGrid
 from .background import BackgroundWriter
 from .blend import (BLENDS, Box, coverage, holes, intersect, local, output_box, region_box, regions_of, subtract,
-                    weights, window)
+                    weights_over, window)
 from .buffers import SPARE, BufferPool
 from .chunks import ChunkWriter
 from .durable import DurableMarks
@@ -120,6 +124,19 @@ def _plan_of(boxes: tuple[Box, ...]) -> _Plan:
     grid's regions repeat a few layouts (the interior ones all alike), so each layout's box arithmetic is done
     once, for every region and every writer of the process that has it; a plan is never changed."""
     return _Plan(list(boxes))
+
+
+@functools.lru_cache(maxsize=4096)
+def _axis_cut(a: int, b: int, t0: int, unit: int, n: int) -> tuple[tuple[int, tuple[int, int], slice], ...]:
+    """One axis of a tile's cut (:meth:`TileWriter._cut_of`): for each region an output box ``[a, b)`` touches
+    along an axis of ``n`` voxels cut into regions of ``unit``, the region's index, the part's extent (the box
+    cut to the region) and the part as a slice of the tile starting at ``t0``: :func:`~.blend.regions_of`,
+    :func:`~.blend.region_box`, :func:`~.blend.intersect` and :func:`~.blend.local` on one axis."""
+    cut = []
+    for i in range(a // unit, (b - 1) // unit + 1):
+        lo, hi = max(a, i * unit), min(b, min((i + 1) * unit, n))
+        cut.append((i, (lo, hi), slice(lo - t0, hi - t0)))
+    return tuple(cut)
 
 
 def _shift(box: Box, origin: Box) -> Box:
@@ -182,9 +199,9 @@ class _Region:
             # the boxes placed so far (from the region's first voxel) and their tiles' (start, box): which tile
             # wins a voxel is decided from these (box arithmetic where boxes overlap), not from a per-voxel array
             self.placed: list[tuple[Box, tuple[int, Box]]] = []
-        # the weighted parts not yet summed: where in the region, their weights (a view of the tile's), values,
-        # and the windows whose outer product the weights are (for weighted.mean_into)
-        self.parts: list[tuple[tuple[slice, ...], np.ndarray, np.ndarray, Windows]] = []
+        # the weighted parts not yet summed: where in the region, their values, and the windows whose outer
+        # product their weights are (made from them where numpy blends: weights_over)
+        self.parts: list[tuple[tuple[slice, ...], np.ndarray, Windows]] = []
         # each part's tile (its output box in the array): the order parts and overlaps are summed in, so the
         # float64 sums do not depend on the order they came (batches, ranks, a restart)
         self.part_tiles: list[Box] = []
@@ -197,8 +214,8 @@ class _Region:
         # (see add_planned); the voxels its parts covered so far, for the fill at the finish
         self.plan = plan
         self.arrived: list[Box] = []
-        # (piece, box, weights, windows, values)
-        self.overlaps: list[tuple[int, Box, np.ndarray, Windows, np.ndarray]] = []
+        # (piece, box, windows, values)
+        self.overlaps: list[tuple[int, Box, Windows, np.ndarray]] = []
         if plan is not None:
             self.values = pool.take(self.full, dtype, zero=False)  # the output: every voxel set by the finish
 
@@ -207,8 +224,8 @@ class _Region:
         """The memory the region holds until it is written."""
         return sum(a.nbytes for a in (self.values, self.wsum, self.count) if a is not None) + self.parts_bytes
 
-    def add_weighted(self, where: tuple[slice, ...], w: np.ndarray, values: np.ndarray, pool: BufferPool,
-                     scratch: Scratch, win: Windows, tile: Box) -> None:
+    def add_weighted(self, where: tuple[slice, ...], values: np.ndarray, pool: BufferPool, scratch: Scratch,
+                     win: Windows, tile: Box) -> None:
         """Take one weighted part: kept for later, or added to the sums once the region has them."""
         if self.wsum is None and self.parts_bytes + values.nbytes <= self.sums_bytes:
             # a view of the caller's batch is copied (the pipeline reuses it), into a recycled buffer; a
@@ -217,17 +234,16 @@ class _Region:
                 kept = pool.take(values.shape, values.dtype, zero=False)
                 np.copyto(kept, values)
                 values = kept
-            self.parts.append((where, w, values, win))
+            self.parts.append((where, values, win))
             self.part_tiles.append(tile)
             self.parts_bytes += values.nbytes
             return
         if self.wsum is None:
             self.fold(pool, scratch)
-        self._accumulate(where, w, values, scratch)
+        self._accumulate(where, win, values, scratch)
 
-    def add_planned(self, box: Box, w: np.ndarray, values: np.ndarray, pool: BufferPool, win: Windows,
-                    tile: Box) -> None:
-        """Take one weighted part of a planned region (``box``: where it lies, in the array; ``w``, ``values``,
+    def add_planned(self, box: Box, values: np.ndarray, pool: BufferPool, win: Windows, tile: Box) -> None:
+        """Take one weighted part of a planned region (``box``: where it lies, in the array; ``values``,
         ``win``: over it): the voxels it alone covers copied into the output (cast as astype, rounded to the nearest for
         an integer output), its pieces of the overlaps kept (copies: the batch goes back to the pipeline)."""
         assert self.plan is not None and self.values is not None
@@ -240,7 +256,7 @@ class _Region:
             at = local(x, box)
             kept = pool.take(values[(Ellipsis,) + at].shape, values.dtype, zero=False)
             np.copyto(kept, values[(Ellipsis,) + at])
-            self.overlaps.append((m, x, w[at], tuple(v[a] for v, a in zip(win, at)), kept))
+            self.overlaps.append((m, x, tuple(v[a] for v, a in zip(win, at)), kept))
             self.overlap_tiles.append(tile)
             self.parts_bytes += kept.nbytes
         self.arrived.append(box)
@@ -255,26 +271,27 @@ class _Region:
         if self.overlaps:
             lead = self.full[:len(self.full) - len(self.shape)]
             rint = np.issubdtype(out.dtype, np.integer)
-            by_piece: dict[int, list[tuple[Box, np.ndarray, Windows, np.ndarray]]] = {}
+            by_piece: dict[int, list[tuple[Box, Windows, np.ndarray]]] = {}
             # summed in the order of their tiles' boxes, not of arrival (batches, ranks)
             for i in sorted(range(len(self.overlaps)), key=lambda i: self.overlap_tiles[i]):
-                m, x, w, win, values = self.overlaps[i]
-                by_piece.setdefault(m, []).append((x, w, win, values))
+                m, x, win, values = self.overlaps[i]
+                by_piece.setdefault(m, []).append((x, win, values))
             for m, kept in by_piece.items():
                 box = self.plan.several[m]
                 target = out[(Ellipsis,) + _slices(box)]
                 if mean_into(target, [(values, [a - o for (a, _), (o, _) in zip(x, box)], win)
-                                      for x, _, win, values in kept], len(lead)):
+                                      for x, win, values in kept], len(lead)):
                     continue  # one compiled pass: the same sums and quotient, a lone part's voxels its value
-                if not spent:  # numpy's sums, products and sums of weights, over buffers of the region's size
+                if not spent:  # numpy's sums, products, sums of weights and weights, over buffers of the region's size
                     spent = [pool.take(self.full, np.float64, zero=False), pool.take(self.full, np.float64, zero=False),
-                             pool.take(self.shape, np.float64, zero=False)]
-                sums, prods, wsums = spent
+                             pool.take(self.shape, np.float64, zero=False), pool.take(self.shape, np.float64, zero=False)]
+                sums, prods, wsums, ws = spent
                 acc, wsum = _carve(sums, lead + _extent(box)), _carve(wsums, _extent(box))
                 acc.fill(0)
                 wsum.fill(0)
-                for x, w, _, values in kept:
+                for x, win, values in kept:
                     dst = local(x, box)
+                    w = weights_over(win, out=_carve(ws, _extent(x)))
                     acc[(Ellipsis,) + dst] += np.multiply(w, values, out=_carve(prods, lead + _extent(x)),
                                                           dtype=np.float64)
                     wsum[dst] += w
@@ -287,10 +304,10 @@ class _Region:
                 # a region closed without all its tiles: the voxels of the overlap that one part that came covers
                 # alone are that part's value (cast as astype), as blend_parts' pieces over the parts that came
                 # give them, not (w * v) / w (an ulp off in float64, and an integer's .5 rounded the other way)
-                for i, (x, _, _, values) in enumerate(kept):
-                    for piece in subtract(x, [o for j, (o, _, _, _) in enumerate(kept) if j != i]):
+                for i, (x, _, values) in enumerate(kept):
+                    for piece in subtract(x, [o for j, (o, _, _) in enumerate(kept) if j != i]):
                         _place(out[(Ellipsis,) + _slices(piece)], values[(Ellipsis,) + local(piece, x)])
-            for _, _, _, _, values in self.overlaps:
+            for _, _, _, values in self.overlaps:
                 pool.give(values)
         # voxels no part reached (a region finished at close())
         for piece in subtract(tuple((0, n) for n in self.shape), self.arrived):
@@ -311,8 +328,8 @@ class _Region:
         # sums would take a wide accumulator per voxel (float64 products span float64's exponents). See
         # docs/inference.md, Restarting
         self._sort_parts()
-        for where, w, values, _ in self.parts:
-            self._accumulate(where, w, values, scratch)
+        for where, values, win in self.parts:
+            self._accumulate(where, win, values, scratch)
             pool.give(values)  # summed: the next parts' copies
         self.parts, self.part_tiles, self.parts_bytes = [], [], 0
 
@@ -337,18 +354,18 @@ class _Region:
         sums does not depend on how tiles were batched or split between ranks (one rank, two ranks and a restart
         give the same bits)."""
         self._sort_parts()
-        boxes = [tuple((s.start, s.stop) for s in where) for where, _, _, _ in self.parts]
-        if mean_into(out, [(values, [s.start for s in where], win) for where, _, values, win in self.parts],
+        boxes = [tuple((s.start, s.stop) for s in where) for where, _, _ in self.parts]
+        if mean_into(out, [(values, [s.start for s in where], win) for where, values, win in self.parts],
                      len(self.full) - len(self.shape)):
             if len(self.parts) <= PIECEWISE_PARTS:
                 for piece in subtract(tuple((0, n) for n in self.shape), boxes):  # voxels no tile reached
                     out[(Ellipsis,) + _slices(piece)] = fill
             else:  # many boxes: their pieces grow faster than they do, a mask does not
                 reached = np.zeros(self.shape, bool)
-                for where, _, _, _ in self.parts:
+                for where, _, _ in self.parts:
                     reached[where] = True
                 out[(Ellipsis,) + (~reached,)] = fill
-            for _, _, values, _ in self.parts:
+            for _, values, _ in self.parts:
                 pool.give(values)  # blended: the next parts' copies
             self.parts, self.part_tiles, self.parts_bytes = [], [], 0
             return []
@@ -357,30 +374,33 @@ class _Region:
         once, several = coverage(boxes)
         rint = np.issubdtype(out.dtype, np.integer)
         for i, piece in once:
-            src = self.parts[i][2][(Ellipsis,) + local(piece, boxes[i])]
+            src = self.parts[i][1][(Ellipsis,) + local(piece, boxes[i])]
             if rint and np.issubdtype(src.dtype, np.floating):
                 np.rint(src, out=src)  # in place: the part is the region's own copy, and these voxels only its
             np.copyto(out[(Ellipsis,) + _slices(piece)], src, casting="unsafe")
         spent: list[np.ndarray] = []
         if several:
-            # the sums, the products and the sums of weights of each overlap, over buffers of the region's size
-            sums, prods, wsums = (pool.take(self.full, np.float64, zero=False),
-                                  pool.take(self.full, np.float64, zero=False),
-                                  pool.take(self.shape, np.float64, zero=False))
-            spent = [sums, prods, wsums]
+            # the sums, the products, the sums of weights and the weights of each overlap, over buffers of the
+            # region's size
+            sums, prods, wsums, ws = (pool.take(self.full, np.float64, zero=False),
+                                      pool.take(self.full, np.float64, zero=False),
+                                      pool.take(self.shape, np.float64, zero=False),
+                                      pool.take(self.shape, np.float64, zero=False))
+            spent = [sums, prods, wsums, ws]
             lead = self.full[:len(self.full) - len(self.shape)]
             for m in several:
                 acc, wsum = _carve(sums, lead + _extent(m)), _carve(wsums, _extent(m))
                 acc.fill(0)
                 wsum.fill(0)
-                for (_, w, values, _), b in zip(self.parts, boxes):  # in the order of their boxes
+                for (_, values, win), b in zip(self.parts, boxes):  # in the order of their boxes
                     x = intersect(m, b)
                     if any(hi <= lo for lo, hi in x):
                         continue
                     at, dst = local(x, b), local(x, m)
-                    acc[(Ellipsis,) + dst] += np.multiply(w[at], values[(Ellipsis,) + at],
+                    w = weights_over([v[a] for v, a in zip(win, at)], out=_carve(ws, _extent(x)))
+                    acc[(Ellipsis,) + dst] += np.multiply(w, values[(Ellipsis,) + at],
                                                           out=_carve(prods, lead + _extent(x)), dtype=np.float64)
-                    wsum[dst] += w[at]
+                    wsum[dst] += w
                 target = out[(Ellipsis,) + _slices(m)]
                 if rint:
                     np.rint(np.divide(acc, wsum, out=acc), out=acc)
@@ -389,7 +409,7 @@ class _Region:
                     np.divide(acc, wsum, out=target, casting="same_kind")
         for piece in subtract(tuple((0, n) for n in self.shape), boxes):  # voxels no tile reached
             out[(Ellipsis,) + _slices(piece)] = fill
-        for _, _, values, _ in self.parts:
+        for _, values, _ in self.parts:
             pool.give(values)  # blended: the next parts' copies
         self.parts, self.part_tiles, self.parts_bytes = [], [], 0
         return spent
@@ -400,19 +420,20 @@ class _Region:
         each part copied (rounded as astype) where the count says it alone covers."""
         count = pool.take(self.shape, np.uint8)
         sums, wsums = pool.take(self.full, np.float64), pool.take(self.shape, np.float64)
-        prods = pool.take(self.full, np.float64, zero=False)
-        for where, w, values, _ in self.parts:  # in the order of their boxes (blend_parts sorted them)
+        prods, ws = pool.take(self.full, np.float64, zero=False), pool.take(self.shape, np.float64, zero=False)
+        for where, values, win in self.parts:  # in the order of their boxes (blend_parts sorted them)
             _cover(count, where)
+            w = weights_over(win, out=_carve(ws, tuple(s.stop - s.start for s in where)))
             _add(sums, wsums, where, w, values, lambda shape: _carve(prods, shape))
         _quotient(out, sums, wsums, count, fill)
         rint = np.issubdtype(out.dtype, np.integer)
-        for where, _, values, _ in self.parts:
+        for where, values, _ in self.parts:
             if rint and np.issubdtype(values.dtype, np.floating):
                 np.rint(values, out=values)  # in place: the part is the region's own copy, summed already
             np.copyto(out[(Ellipsis,) + where], values, casting="unsafe", where=count[where] == 1)
             pool.give(values)  # blended: the next parts' copies
         self.parts, self.part_tiles, self.parts_bytes = [], [], 0
-        return [count, sums, wsums, prods]
+        return [count, sums, wsums, prods, ws]
 
     def finish_folded(self, out: np.ndarray, fill: np.ndarray) -> None:
         """The float64 sums (folded) blended into ``out``: the weighted mean, rounded as astype; a voxel one
@@ -434,11 +455,17 @@ class _Region:
         if alone is not None:
             out[(Ellipsis, once)] = alone  # cast as astype
 
-    def _accumulate(self, where: tuple[slice, ...], w: np.ndarray, values: np.ndarray, scratch: Scratch) -> None:
+    def _accumulate(self, where: tuple[slice, ...], win: Windows, values: np.ndarray, scratch: Scratch) -> None:
+        """One part added to the sums: its weights (from ``win``) and their products with ``values``, both over
+        ``scratch`` (one call for the two: each call hands out the start of the same memory)."""
         assert self.values is not None and self.wsum is not None and self.count is not None
         self.vdtype = values.dtype if self.vdtype is None else np.result_type(self.vdtype, values.dtype)
         _cover(self.count, where)
-        _add(self.values, self.wsum, where, w, values, scratch)
+        extent = tuple(s.stop - s.start for s in where)
+        n = int(np.prod(extent))
+        memory = scratch((n + values.size,))
+        w = weights_over(win, out=memory[:n].reshape(extent))
+        _add(self.values, self.wsum, where, w, values, lambda shape: memory[n:n + int(np.prod(shape))].reshape(shape))
 
 
 def _cover(count: np.ndarray, where: tuple[slice, ...]) -> None:
@@ -584,7 +611,6 @@ class TileWriter:
         # with grid=: each tile's cut (see _setup, which needs the same boxes), so write() looks a grid tile's parts
         # up instead of redoing the box arithmetic per tile and region on the caller's thread
         self._cuts: dict[tuple[Box, bool], tuple[int, list[tuple[tuple[int, ...], Box, tuple[Any, ...]]]]] = {}
-        self._weights: dict[tuple[int, ...], np.ndarray] = {}
         self._windows: dict[int, np.ndarray] = {}  # a tile axis's length -> its window (blend.window)
         self._scratch = np.empty(0, dtype=np.float64)  # the blend's products, reused (the caller's thread only)
         self.written = 0  # regions this rank wrote
@@ -634,11 +660,18 @@ class TileWriter:
         past the array, before it looks the cut up)."""
         out = self._out(aabb, padded)
         inside = all(0 <= a < n for (a, _), n in zip(out, self.spatial))  # else never placed: see above
-        start = int(np.ravel_multi_index(tuple(a for a, _ in out), self.spatial)) if inside else -1
+        start = -1
+        if inside:  # np.ravel_multi_index of the box's first voxel, without a numpy call per tile
+            start = 0
+            for (a, _), n in zip(out, self.spatial):
+                start = start * n + a
+        # the product of each axis's cut (regions_of's C order): the tiles of a grid share a few positions per
+        # axis, whose cuts are made once (a tile's box arithmetic region by region was most of _setup)
+        axes = [_axis_cut(a, b, t0, u, n) for (a, b), (t0, _), u, n in zip(out, aabb, self.unit, self.spatial)]
         parts = []
-        for r in regions_of(out, self.unit):
-            box = intersect(out, region_box(r, self.unit, self.spatial))
-            parts.append((r, box, (Ellipsis,) + local(box, aabb)))
+        for combo in itertools.product(*axes):
+            r, box, at = zip(*combo)
+            parts.append((r, box, (Ellipsis,) + at))
         return start, parts
 
     def _plan(self, r: tuple[int, ...], parts: np.dtype) -> _Plan | None:
@@ -788,23 +821,16 @@ class TileWriter:
                 for into, at in _copies(box, lost):
                     _place(region.values[into], values[at])
             elif region.plan is not None:
-                region.add_planned(box, self._weights_of(key)[local(box, key)], values, self._pool,
-                                   self._windows_of(key, box), key)
+                region.add_planned(box, values, self._pool, self._windows_of(key, box), key)
             else:
-                region.add_weighted(local(box, region.box), self._weights_of(key)[local(box, key)], values,
-                                    self._pool, self._scratch_of, self._windows_of(key, box), key)
+                region.add_weighted(local(box, region.box), values, self._pool, self._scratch_of,
+                                    self._windows_of(key, box), key)
             if self._expected is not None and len(region.seen) >= self._expected.get(r, 0):
                 self._flush(r)
 
-    def _weights_of(self, aabb: Box) -> np.ndarray:
-        tile = tuple(b - a for a, b in aabb)
-        if tile not in self._weights:
-            self._weights[tile] = weights(self.blend, tile)
-        return self._weights[tile]
-
     def _windows_of(self, aabb: Box, box: Box) -> Windows:
-        """The window of each axis of the tile ``aabb`` over ``box`` (in it): the outer product of these is
-        ``_weights_of(aabb)[local(box, aabb)]``."""
+        """The window of each axis of the tile ``aabb`` over ``box`` (in it): the outer product of these
+        (:func:`~.blend.weights_over`) is ``weights(blend, tile)[local(box, aabb)]``."""
         found = []
         for (a, b), (t0, t1) in zip(box, aabb):
             win = self._windows.get(t1 - t0)
