@@ -251,6 +251,45 @@ def test_group_of_groups_root(tmp_path):
         assert_sample_equal(ds[i], truth[i])
 
 
+def _headless(tmp_path) -> tuple[str, str]:
+    """13 record folders, two of them (one per Zarr format) with arrays written straight to
+    ``root/rec_k.zarr/<name>`` by zarr-python, which writes no group document for the folder."""
+    import zipfile
+
+    root = str(tmp_path / "headless")
+    for i in range(13):
+        arrays = record_arrays(i, seed=3)
+        path = os.path.join(root, f"rec_{i:02d}.zarr")
+        if i in (4, 9):
+            for name, a in arrays.items():
+                zarr.create_array(os.path.join(path, name), data=a, zarr_format=3 if i == 4 else 2)
+        else:
+            write_record(path, arrays, fmt=3)
+    os.makedirs(os.path.join(root, "logs", "empty"))  # no Zarr at all: not a record, and no error
+    archive = str(tmp_path / "headless.zip")
+    with zipfile.ZipFile(archive, "w", compression=zipfile.ZIP_STORED) as zf:
+        for folder, _, files in os.walk(root):
+            for f in files:
+                zf.write(os.path.join(folder, f), os.path.relpath(os.path.join(folder, f), root))
+    return root, archive
+
+
+def test_a_record_folder_without_a_group_document_is_an_error_naming_it(tmp_path):
+    """Arrays written straight to root/rec.zarr/positions leave rec.zarr without zarr.json or .zgroup: such a
+    folder is no group, and was skipped without a word (13 records became 11). It is a NotFound naming the
+    folders and how to make them groups, locally and in a store (a zip archive); folders without Zarr arrays
+    are still not records."""
+    root, archive = _headless(tmp_path)
+    for where in (root, archive):
+        with pytest.raises(NotFound, match=r"rec_04\.zarr.*rec_09\.zarr.*no group document.*open_group"):
+            ZarrRecords(where, fields=SPEC)
+    for i in (4, 9):
+        zarr.open_group(os.path.join(root, f"rec_{i:02d}.zarr"), mode="a", zarr_format=3 if i == 4 else 2)
+    ds = ZarrRecords(root, fields=SPEC)
+    assert len(ds) == 13
+    assert_sample_equal(ds[4], record_arrays(4, seed=3))
+
+
 def _mutant(tmp_path, name: str, change) -> str:
     """A small dataset whose record 1 is altered by ``change(arrays)``."""
     root = str(tmp_path / name)
