@@ -17,6 +17,7 @@ import resource
 import shutil
 import sys
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -218,11 +219,12 @@ def test_time_slice_and_field_subsets(data):
         assert ds.metadata(i).fields["positions"].shape == (2,) + truth[i]["positions"].shape[1:]
         assert ds.metadata(i).fields["positions"].stored_shape == truth[i]["positions"].shape
 
-    # Without a spec the time axis is axis 0; a slice longer than the data keeps it all.
+    # Without a spec the time axis is axis 0; a slice longer than the data keeps it all (with a warning).
     sub = ZarrRecords(root, fields=["velocity"], time_slice=4)
     assert list(sub[1]) == ["velocity"]
     assert torch.equal(sub[1]["velocity"], torch.from_numpy(truth[1]["velocity"][:4]))
-    long = ZarrRecords(root, fields=["positions"], time_slice=100)
+    with pytest.warns(RuntimeWarning, match="time_slice=100"):
+        long = ZarrRecords(root, fields=["positions"], time_slice=100)
     assert torch.equal(long[1]["positions"], torch.from_numpy(truth[1]["positions"]))
 
     # fields=None: every array of the first record, in name order.
@@ -234,6 +236,28 @@ def test_time_slice_and_field_subsets(data):
     for bad in (0, -1, True, 1.5):
         with pytest.raises(InvalidArgument, match="time_slice"):
             ZarrRecords(root, time_slice=bad)
+
+
+def test_a_time_slice_longer_than_a_record_warns_naming_the_records_it_clips(tmp_path):
+    """time_slice=k keeps the first k steps, Python's slicing: a record with fewer keeps all of its own, so
+    batches hold fewer steps than asked. That was silent; now one RuntimeWarning at construction names the
+    records (and their lengths) that keep fewer than k, and none when every record has k."""
+    root = str(tmp_path / "t")
+    lengths = [8, 4, 8, 5]
+    for i, t in enumerate(lengths):
+        write_record(os.path.join(root, f"rec_{i}.zarr"), record_arrays(i, seed=2, t=t), fmt=3)
+    with pytest.warns(RuntimeWarning, match=r"time_slice=6\): 2 of 4 records .*'rec_1\.zarr' \(T=4\), "
+                                            r"'rec_3\.zarr' \(T=5\)") as seen:
+        ds = ZarrRecords(root, fields=SPEC, time_slice=6)
+    assert len([w for w in seen if "time_slice" in str(w.message)]) == 1
+    assert [ds[i]["positions"].shape[0] for i in range(4)] == [6, 4, 6, 5]  # clipped, as documented
+    assert ds.for_rank(1, 2)[0]["velocity"].shape[0] == 4  # rank 1 of 2: records 1 and 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ZarrRecords(root, fields=SPEC, time_slice=4)  # every record has 4 steps: nothing to say
+        ZarrRecords(root, fields={"cells": ("M", 3)}, time_slice=100)  # no time axis among the fields
+    with pytest.warns(RuntimeWarning, match="'rec_1.zarr' \\(T=4\\)"):  # fields without dims: axis 0
+        ZarrRecords(root, fields=["positions"], time_slice=6)
 
 
 def test_group_of_groups_root(tmp_path):
