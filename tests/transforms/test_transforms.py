@@ -214,6 +214,21 @@ def test_normalize_axis_holds_the_channels():
             Normalize(0.0, 1.0, axis=bad)
 
 
+def test_from_stats_checks_the_batch_has_the_axes_of_the_array_s_crops():
+    """Statistics along an axis of one 2-d array (Y, C) fit (B, Y, C) batches; a (B, A, Y, C) batch of two
+    arrays would have both normalised with one array's numbers: an InvalidArgument, unless axis= says so."""
+    two = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    st = FieldStats(torch.tensor(10), two, two * 2, two, two, channel_axis=-1, ndim=2)
+    x = torch.arange(2 * 3 * 2, dtype=torch.float64).reshape(2, 3, 2)  # (B, Y=3, C=2)
+    assert torch.equal(Normalize.from_stats(st)(x.clone()), (x - two) / (two * 2))
+    several = x.reshape(2, 1, 3, 2).expand(2, 2, 3, 2).clone()  # (B, A=2, Y, C)
+    with pytest.raises(stoker.InvalidArgument, match=r"one array of 2 axes.*\(B, A, \*box\).*pass axis=-1"):
+        Normalize.from_stats(st)(several.clone())
+    assert torch.equal(Normalize.from_stats(st, axis=-1)(several.clone()), (several - two) / (two * 2))
+    with pytest.raises(ValueError, match="counts from the end"):
+        FieldStats(torch.tensor(10), two, two, two, two, channel_axis=1, ndim=2)
+
+
 def test_from_stats_of_records_normalises_their_channels_on_the_last_axis(tmp_path):
     """The records' statistics are per channel on the last axis (what normalize and a collated (B, N, C) batch
     hold there): from_stats normalised axis 1 instead, silently where N happened to equal C."""
