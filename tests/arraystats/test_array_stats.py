@@ -294,6 +294,60 @@ def test_normalize_from_stats_on_a_pipeline_batch(tmp_path):
     np.testing.assert_allclose(per_channel.std(1, unbiased=False).numpy(), [1, 1], rtol=1e-5)
 
 
+def _channels_last(tmp_path, shape, channel_axis):
+    """A uint16 array whose channels (on ``channel_axis``) differ by orders of magnitude in mean and spread."""
+    rng = np.random.default_rng(5)
+    c = shape[channel_axis]
+    centre = (1000.0 * 4 ** np.arange(c)).reshape([c if a == channel_axis % len(shape) else 1
+                                                    for a in range(len(shape))])
+    data = np.clip(rng.normal(centre, centre / 10, size=shape), 0, 65535).astype(np.uint16)
+    return write(tmp_path / "c.zarr", data, (2, 4, 4, 4)), data
+
+
+@pytest.mark.parametrize("shape,channel_axis", [((4, 8, 8, 4), -1), ((4, 8, 8, 4), 3), ((4, 4, 8, 8), 0)])
+def test_from_stats_normalises_the_axis_the_statistics_were_computed_along(tmp_path, shape, channel_axis):
+    """Statistics per index of an array axis normalise that axis of a (B, *box) batch: with channel_axis=-1 on a
+    (4, 8, 8, 4) array, Normalize.from_stats normalised batch axis 1 (Z, of size 4 too), silently, leaving
+    per-channel stds of [0.48, 4.6, 53, 586]."""
+    uri, data = _channels_last(tmp_path, shape, channel_axis)
+    st = stoker.compute_stats(uri, channel_axis=channel_axis, progress=False)
+    hit = stoker.compute_stats(uri, channel_axis=channel_axis, progress=False)  # from the cache: the same axis
+    assert (st.channel_axis, st.ndim) == (hit.channel_axis, hit.ndim) == (channel_axis % 4 - 4, 4)
+    box = [(0, n) for n in shape]
+    cfg = stoker.Config(batch_size=2, dtype="f32", host_buffer_bytes=16 << 20, n_io_threads=2,
+                        n_compute_threads=2, pop_timeout_s=20.0, device="cpu", transform=Normalize.from_stats(st))
+    with stoker.Pipeline(cfg) as p:
+        p.push([stoker.Sample(uri, box), stoker.Sample(uri, box)])
+        for batch in p.batches(1):
+            x = torch.from_dlpack(batch).double().numpy().copy()
+    assert x.shape == (2, *shape)
+    axis = channel_axis + 1 if channel_axis >= 0 else channel_axis  # the batch axis of the array's channels
+    per_channel = np.moveaxis(x, axis, 0).reshape(shape[channel_axis], -1)
+    np.testing.assert_allclose(per_channel.mean(1), 0, atol=1e-5)
+    np.testing.assert_allclose(per_channel.std(1), 1, rtol=1e-5)
+    # numpy's own normalisation of the stored values, element by element
+    mean = np.moveaxis(data.astype(np.float64), channel_axis, -1).reshape(-1, shape[channel_axis]).mean(0)
+    std = np.moveaxis(data.astype(np.float64), channel_axis, -1).reshape(-1, shape[channel_axis]).std(0)
+    want = (np.moveaxis(data.astype(np.float64), channel_axis, -1) - mean) / std
+    np.testing.assert_allclose(np.moveaxis(x[0], channel_axis, -1), want, atol=1e-5)
+
+
+def test_per_array_channel_statistics_on_a_batch_of_several_arrays_are_refused(tmp_path):
+    """Statistics computed along an axis of one array describe that array: on a (B, A, *box) batch of two
+    arrays they would normalise both with one's numbers, so that is an InvalidArgument saying what to pass."""
+    uri, _ = _channels_last(tmp_path, (4, 8, 8, 4), -1)
+    st = stoker.compute_stats(uri, channel_axis=-1, cache=False, progress=False)
+    assert st.channel_axis == -1
+    box = [(0, 4), (0, 8), (0, 8), (0, 4)]
+    cfg = stoker.Config(batch_size=1, dtype="f32", host_buffer_bytes=16 << 20, n_compute_threads=2,
+                        pop_timeout_s=20.0, device="cpu", transform=Normalize.from_stats(st))
+    with pytest.raises(InvalidArgument, match=r"one array.*axis=-1"):
+        with stoker.Pipeline(cfg) as p:
+            p.push([stoker.Sample([uri, uri], box)])
+            with p.pop():
+                pass
+
+
 def test_from_stats_passes_keywords_to_the_constructor(arrays):
     class Named(Normalize):  # a Normalize that takes one more keyword (as field= is for named fields)
         def __init__(self, mean, std, field=None):

@@ -17,6 +17,7 @@ import resource
 import shutil
 import sys
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -218,11 +219,12 @@ def test_time_slice_and_field_subsets(data):
         assert ds.metadata(i).fields["positions"].shape == (2,) + truth[i]["positions"].shape[1:]
         assert ds.metadata(i).fields["positions"].stored_shape == truth[i]["positions"].shape
 
-    # Without a spec the time axis is axis 0; a slice longer than the data keeps it all.
+    # Without a spec the time axis is axis 0; a slice longer than the data keeps it all (with a warning).
     sub = ZarrRecords(root, fields=["velocity"], time_slice=4)
     assert list(sub[1]) == ["velocity"]
     assert torch.equal(sub[1]["velocity"], torch.from_numpy(truth[1]["velocity"][:4]))
-    long = ZarrRecords(root, fields=["positions"], time_slice=100)
+    with pytest.warns(RuntimeWarning, match="time_slice=100"):
+        long = ZarrRecords(root, fields=["positions"], time_slice=100)
     assert torch.equal(long[1]["positions"], torch.from_numpy(truth[1]["positions"]))
 
     # fields=None: every array of the first record, in name order.
@@ -234,6 +236,28 @@ def test_time_slice_and_field_subsets(data):
     for bad in (0, -1, True, 1.5):
         with pytest.raises(InvalidArgument, match="time_slice"):
             ZarrRecords(root, time_slice=bad)
+
+
+def test_a_time_slice_longer_than_a_record_warns_naming_the_records_it_clips(tmp_path):
+    """time_slice=k keeps the first k steps, Python's slicing: a record with fewer keeps all of its own, so
+    batches hold fewer steps than asked. That was silent; now one RuntimeWarning at construction names the
+    records (and their lengths) that keep fewer than k, and none when every record has k."""
+    root = str(tmp_path / "t")
+    lengths = [8, 4, 8, 5]
+    for i, t in enumerate(lengths):
+        write_record(os.path.join(root, f"rec_{i}.zarr"), record_arrays(i, seed=2, t=t), fmt=3)
+    with pytest.warns(RuntimeWarning, match=r"time_slice=6\): 2 of 4 records .*'rec_1\.zarr' \(T=4\), "
+                                            r"'rec_3\.zarr' \(T=5\)") as seen:
+        ds = ZarrRecords(root, fields=SPEC, time_slice=6)
+    assert len([w for w in seen if "time_slice" in str(w.message)]) == 1
+    assert [ds[i]["positions"].shape[0] for i in range(4)] == [6, 4, 6, 5]  # clipped, as documented
+    assert ds.for_rank(1, 2)[0]["velocity"].shape[0] == 4  # rank 1 of 2: records 1 and 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ZarrRecords(root, fields=SPEC, time_slice=4)  # every record has 4 steps: nothing to say
+        ZarrRecords(root, fields={"cells": ("M", 3)}, time_slice=100)  # no time axis among the fields
+    with pytest.warns(RuntimeWarning, match="'rec_1.zarr' \\(T=4\\)"):  # fields without dims: axis 0
+        ZarrRecords(root, fields=["positions"], time_slice=6)
 
 
 def test_group_of_groups_root(tmp_path):
@@ -249,6 +273,45 @@ def test_group_of_groups_root(tmp_path):
     assert ds.names == ["r0", "r1", "r2"]
     for i in range(3):
         assert_sample_equal(ds[i], truth[i])
+
+
+def _headless(tmp_path) -> tuple[str, str]:
+    """13 record folders, two of them (one per Zarr format) with arrays written straight to
+    ``root/rec_k.zarr/<name>`` by zarr-python, which writes no group document for the folder."""
+    import zipfile
+
+    root = str(tmp_path / "headless")
+    for i in range(13):
+        arrays = record_arrays(i, seed=3)
+        path = os.path.join(root, f"rec_{i:02d}.zarr")
+        if i in (4, 9):
+            for name, a in arrays.items():
+                zarr.create_array(os.path.join(path, name), data=a, zarr_format=3 if i == 4 else 2)
+        else:
+            write_record(path, arrays, fmt=3)
+    os.makedirs(os.path.join(root, "logs", "empty"))  # no Zarr at all: not a record, and no error
+    archive = str(tmp_path / "headless.zip")
+    with zipfile.ZipFile(archive, "w", compression=zipfile.ZIP_STORED) as zf:
+        for folder, _, files in os.walk(root):
+            for f in files:
+                zf.write(os.path.join(folder, f), os.path.relpath(os.path.join(folder, f), root))
+    return root, archive
+
+
+def test_a_record_folder_without_a_group_document_is_an_error_naming_it(tmp_path):
+    """Arrays written straight to root/rec.zarr/positions leave rec.zarr without zarr.json or .zgroup: such a
+    folder is no group, and was skipped without a word (13 records became 11). It is a NotFound naming the
+    folders and how to make them groups, locally and in a store (a zip archive); folders without Zarr arrays
+    are still not records."""
+    root, archive = _headless(tmp_path)
+    for where in (root, archive):
+        with pytest.raises(NotFound, match=r"rec_04\.zarr.*rec_09\.zarr.*no group document.*open_group"):
+            ZarrRecords(where, fields=SPEC)
+    for i in (4, 9):
+        zarr.open_group(os.path.join(root, f"rec_{i:02d}.zarr"), mode="a", zarr_format=3 if i == 4 else 2)
+    ds = ZarrRecords(root, fields=SPEC)
+    assert len(ds) == 13
+    assert_sample_equal(ds[4], record_arrays(4, seed=3))
 
 
 def _mutant(tmp_path, name: str, change) -> str:

@@ -194,6 +194,66 @@ def test_normalize_from_compute_stats_result():
     assert Normalize(5.0, 2.0)(torch.tensor([[7.0, 9.0]])).tolist() == [[1.0, 2.0]]  # scalars: any batch
 
 
+def test_normalize_axis_holds_the_channels():
+    """axis= names the batch axis of the channels (negative from the end); a count that does not fit there, an
+    axis the batch lacks or the samples' axis 0 are typed errors; pickling keeps the axis."""
+    import pickle
+
+    x = torch.arange(2 * 3 * 2, dtype=torch.float64).reshape(2, 3, 2)  # (B, N=3, C=2): channels last
+    want = (x - torch.tensor([1.0, 2.0])) / torch.tensor([2.0, 4.0])
+    n = Normalize([1.0, 2.0], [2.0, 4.0], axis=-1)
+    assert torch.equal(n(x.clone()), want)
+    assert torch.equal(pickle.loads(pickle.dumps(n))(x.clone()), want) and "axis=-1" in repr(n)
+    assert torch.equal(Normalize([1.0, 2.0], [2.0, 4.0], axis=2)(x.clone()), want)
+    with pytest.raises(stoker.InvalidArgument, match="2 channels .* has 3 channels on axis 1"):
+        Normalize([1.0, 2.0], [2.0, 4.0])(x.clone())
+    with pytest.raises(stoker.InvalidArgument, match="has no axis -4"):
+        Normalize([1.0, 2.0], [2.0, 4.0], axis=-4)(x.clone())
+    for bad in (0, 1.0, True, "last"):
+        with pytest.raises(stoker.InvalidArgument, match="axis must be"):
+            Normalize(0.0, 1.0, axis=bad)
+
+
+def test_from_stats_checks_the_batch_has_the_axes_of_the_array_s_crops():
+    """Statistics along an axis of one 2-d array (Y, C) fit (B, Y, C) batches; a (B, A, Y, C) batch of two
+    arrays would have both normalised with one array's numbers: an InvalidArgument, unless axis= says so."""
+    two = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    st = FieldStats(torch.tensor(10), two, two * 2, two, two, channel_axis=-1, ndim=2)
+    x = torch.arange(2 * 3 * 2, dtype=torch.float64).reshape(2, 3, 2)  # (B, Y=3, C=2)
+    assert torch.equal(Normalize.from_stats(st)(x.clone()), (x - two) / (two * 2))
+    several = x.reshape(2, 1, 3, 2).expand(2, 2, 3, 2).clone()  # (B, A=2, Y, C)
+    with pytest.raises(stoker.InvalidArgument, match=r"one array of 2 axes.*\(B, A, \*box\).*pass axis=-1"):
+        Normalize.from_stats(st)(several.clone())
+    assert torch.equal(Normalize.from_stats(st, axis=-1)(several.clone()), (several - two) / (two * 2))
+    with pytest.raises(ValueError, match="counts from the end"):
+        FieldStats(torch.tensor(10), two, two, two, two, channel_axis=1, ndim=2)
+
+
+def test_from_stats_of_records_normalises_their_channels_on_the_last_axis(tmp_path):
+    """The records' statistics are per channel on the last axis (what normalize and a collated (B, N, C) batch
+    hold there): from_stats normalised axis 1 instead, silently where N happened to equal C."""
+    from stoker.records import Pad, ZarrRecords, compute_stats, normalize
+
+    rng = np.random.default_rng(4)
+    for k in range(4):
+        g = zarr.open_group(str(tmp_path / f"r{k}"), mode="w")
+        g.create_array("x", data=rng.normal([1.0, 50.0, -300.0], [1.0, 10.0, 100.0], size=(3, 3)))
+    ds = ZarrRecords(str(tmp_path), fields={"x": ("N", 3)})
+    st = compute_stats(ds, ["x"], cache=False)
+    assert st["x"].channel_axis == -1
+    batch = Pad()([ds[i] for i in range(len(ds))])  # (B=4, N=3, C=3)
+    want = torch.stack([normalize(ds[i], st)["x"] for i in range(len(ds))])
+    got = Normalize.from_stats(st["x"], field="x")(dict(batch))["x"]
+    torch.testing.assert_close(got, want)
+    flat = got.reshape(-1, 3)
+    torch.testing.assert_close(flat.mean(0), torch.zeros(3, dtype=flat.dtype), atol=1e-9, rtol=0)
+    assert compute_stats(ds, ["x"])["x"].channel_axis == -1  # computed, then from the sidecar: the same
+    assert compute_stats(ds, ["x"])["x"].channel_axis == -1
+    first = st["x"].with_axis(-2, 2)  # per channel along another axis: normalize's last axis would be wrong
+    with pytest.raises(stoker.InvalidArgument, match="along axis -2 .* channel_axis=-1"):
+        normalize(ds[0], {"x": first})
+
+
 def test_errors_are_typed_and_reach_pop(pair, decode_path):
     uris, _ = pair
     with pytest.raises(stoker.InvalidArgument, match="3 channels .* has 2 channels"):

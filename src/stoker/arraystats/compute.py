@@ -357,10 +357,13 @@ def _one_array(uri: str, region: Any, channel_axis: int | None, nonfinite: str, 
     folder = identity.folder_of(uri, storage_options) if fp else None
     held, entry = cached_entry(folder, fp, lead, world, group) if folder and fp else (None, None)
     try:
+        # the statistics say the axis their channels lie on, from this call (a cached entry written before
+        # FieldStats knew it does not say), counted from the end: it names the same axis of a batch of crops
+        where = (None, None) if axis is None else (axis - reader.ndim, reader.ndim)
         st = _from_entry(entry, channels)
         if st is not None:  # every rank holds rank 0's entry: all return here, or none
             _warn_if_rounded(reader, cf, storage_options, st)
-            return st, box
+            return st.with_axis(*where), box
         # the values a batch holds: with cf (as Config(cf=True), the default) packed values unpacked, fills NaN
         # (read only now: a cached entry needs no attributes of a v2 array read)
         code = coding(reader, options=storage_options) if cf else None
@@ -379,7 +382,7 @@ def _one_array(uri: str, region: Any, channel_axis: int | None, nonfinite: str, 
                     warnings.warn(f"could not write {sidecar.path_for(folder)}: {exc}", RuntimeWarning, stacklevel=4)
             barrier(group)  # the file is in place (or known unwritable) before anyone goes on
         _warn_if_rounded(reader, cf, storage_options, st)
-        return st, box
+        return st.with_axis(*where), box
     finally:
         if held is not None:
             held.release()
@@ -394,8 +397,9 @@ def _stack(key: Any, uris: Sequence[str], got: dict[str, tuple[FieldStats, Box]]
                               f"region: {[tuple(b - a for a, b in got[u][1]) for u in uris]} for {list(uris)}; "
                               "channels of one sample share one shape", field=key)
     parts = [got[u][0] for u in uris]
-    return FieldStats(parts[0].count.clone(), *(torch.stack([getattr(p, k) for p in parts])
-                                                 for k in ("mean", "std", "min", "max", "skipped")))
+    mean, std, lo, hi, skipped = (torch.stack([getattr(p, k) for p in parts])
+                                  for k in ("mean", "std", "min", "max", "skipped"))
+    return FieldStats(parts[0].count.clone(), mean, std, lo, hi, skipped)  # channels: no axis of an array
 
 
 def compute_array_stats(arrays_or_fields: Any, region: Any = None, *, channel_axis: int | None = None,
@@ -411,7 +415,9 @@ def compute_array_stats(arrays_or_fields: Any, region: Any = None, *, channel_ax
     ``(start, stop)`` index range (other axes whole), the same for every array, or dimension name ->
     ``(first, last)`` labels of its coordinates, both included (``{"time": ("2000-01-01", "2009-12-31")}``,
     see :func:`~stoker.arraystats.inputs.parse_region`). ``channel_axis``: statistics
-    per index of that axis of each array (shape ``(C,)``) instead of one scalar (not with lists of arrays).
+    per index of that axis of each array (shape ``(C,)``) instead of one scalar (not with lists of arrays);
+    the result says it in ``FieldStats.channel_axis`` (counted from the end: ``channel_axis=3`` of a 4-d array
+    reads -1), so ``Normalize.from_stats`` normalises that axis of a ``(B, *box)`` batch of its crops.
 
     ``nonfinite``: NaN and infinities are left out and counted per channel in ``FieldStats.skipped``
     (``"skip"``, the default: arrays often hold NaN for missing values), or a
@@ -438,6 +444,8 @@ def compute_array_stats(arrays_or_fields: Any, region: Any = None, *, channel_ax
     >>> st.mean, st.std, st.skipped                                            # float64 scalars, NaN count
     >>> raw = stoker.compute_stats({"raw": stoker.Field(["/d/c0.zarr", "/d/c1.zarr"], (64, 64, 64))})["raw"]
     >>> norm = stoker.transforms.Normalize.from_stats(raw)                      # per channel: the batch's axis 1
+    >>> rgb = stoker.compute_stats("/d/rgb.zarr", channel_axis=-1)              # (Y, X, 3): channels last
+    >>> norm = stoker.transforms.Normalize.from_stats(rgb)                      # the batch's axis -1
     """
     if nonfinite not in _NONFINITE:
         raise InvalidArgument(f"nonfinite must be one of {_NONFINITE}, got {nonfinite!r}", knob="nonfinite")

@@ -108,11 +108,31 @@ def _children(path: str) -> list[str]:
         raise NotFound(f"{path} is a file; a record dataset is a directory of Zarr groups", uri=path) from None
 
 
+def refuse_headless(root: str, folders: Sequence[str]) -> None:
+    """A NotFound naming the ``folders`` under ``root`` that hold Zarr arrays but no group document.
+
+    Such a folder is what writing arrays straight to ``root/<record>/<array>`` makes (zarr-python writes no
+    document for the folders above an array): it is no group, so no record, yet it is plainly meant as one;
+    leaving it out would shrink the dataset without a word. Folders holding no Zarr array stay ignored."""
+    if not folders:
+        return
+    shown = ", ".join(repr(f) for f in folders[:5]) + (f" and {len(folders) - 5} more" if len(folders) > 5 else "")
+    raise NotFound(
+        f"{root}: the folder(s) {shown} hold Zarr arrays but no group document (zarr.json or .zgroup), so they "
+        f"are no records and would be left out of the dataset. Make each a group: "
+        f"zarr.open_group('{join_key(root, folders[0])}', mode='a', zarr_format=<its arrays' format>) writes the "
+        "document (writing arrays straight to root/<record>/<array> writes none); or move them out of the root",
+        uri=join_key(root, folders[0]))
+
+
 def list_records(root: str, store: LocalStore) -> list[str]:
-    """Names of the child groups of ``root`` (sorted); other entries are ignored."""
+    """Names of the child groups of ``root`` (sorted); other entries are ignored, except folders that hold
+    Zarr arrays without being groups (:func:`refuse_headless`)."""
     if _node_kind(root, store) == "array":
         raise InvalidArgument(f"{root} is a Zarr array; a record dataset is a directory or group of groups", uri=root)
-    names = [n for n in _children(root) if _node_kind(os.path.join(root, n), store) == "group"]
+    kinds = {n: _node_kind(os.path.join(root, n), store) for n in _children(root)}
+    names = [n for n, kind in kinds.items() if kind == "group"]
+    refuse_headless(root, [n for n, kind in kinds.items() if kind is None and list_arrays(os.path.join(root, n), store)])
     if not names:
         raise NotFound(
             f"{root} holds no Zarr groups; each record must be a group (e.g. {root}/sample_0000.zarr/positions)",
@@ -291,7 +311,8 @@ class _StoreNodes:
                 found[rest[0]] = "group" if rest[1] == ".zgroup" else "array"
         return sorted(n for n, k in found.items() if k == want and not n.startswith("."))
 
-    def _listed(self, rel: str, want: str) -> list[str]:
+    def _listed(self, rel: str, want: str, others: list[str] | None = None) -> list[str]:
+        """The children of kind ``want``, listed; the folders that are no Zarr node go to ``others`` if given."""
         if not self.kv.supports_list:
             raise UnsupportedFormat(
                 f"{self.uri}: this store cannot be listed (a plain HTTP server) and the root group has no "
@@ -313,6 +334,8 @@ class _StoreNodes:
             for name, raw in zip(asked, values):
                 if raw is not None:
                     kinds[name] = self._kind(f"{rel}/{name}" if rel else name, document, raw)
+        if others is not None:
+            others.extend(n for n in names if n not in kinds)
         return [n for n in names if kinds.get(n) == want]
 
     def _kind(self, rel: str, document: str, raw) -> str | None:
@@ -325,7 +348,12 @@ class _StoreNodes:
         return kind if kind in ("group", "array") else None
 
     def records(self) -> list[str]:
-        names = self._children("", "group")
+        if self.hierarchy.group_entries(self.prefix, self.uri) is None:  # listed: folders that are no node seen
+            others: list[str] = []
+            names = self._listed("", "group", others)
+            refuse_headless(self.uri, [n for n in others if self._listed(n, "array")])
+        else:  # consolidated metadata names groups only: a folder that is no group is not in it
+            names = self._children("", "group")
         if not names:
             raise NotFound(f"{self.uri} holds no Zarr groups; each record must be a group (e.g. "
                            f"{self.uri}/sample_0000.zarr/positions)", uri=self.uri)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import operator
 import os
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
@@ -86,7 +87,8 @@ class ZarrRecords(torch.utils.data.Dataset):
     ``fields``: None (every array of the first record; all records must have them),
     a list of names, or a dict ``name -> dims`` such as ``("T", "N", 3)`` whose named
     dims must agree across a record's fields. ``time_slice=k`` keeps the first ``k``
-    steps (Python slicing: fewer when a record is shorter) along the dim named
+    steps (Python slicing: fewer when a record is shorter, which one RuntimeWarning at
+    construction names) along the dim named
     ``"T"``, or along axis 0 of fields given without dims. ``cache_bytes`` bounds a
     per-process LRU of decoded samples (0: nothing is kept between reads).
     ``lazy=False`` reads every record at construction. ``store`` (a
@@ -114,6 +116,7 @@ class ZarrRecords(torch.utils.data.Dataset):
         self._catalog: Catalog = scan(root, fields, store, self._storage_options)
         self._in_store = not locate(self._catalog.root).is_local
         self._time_slice = time_slice
+        self._warn_if_clipped()
         self._cache_bytes = cache_bytes
         self._lazy = bool(lazy)
         # The view: positions of the catalog this object serves, and which strided part it is.
@@ -250,6 +253,28 @@ class ZarrRecords(torch.utils.data.Dataset):
         if spec is None:
             return 0
         return spec.index(TIME_DIM) if TIME_DIM in spec else None
+
+    def _warn_if_clipped(self) -> None:
+        """One RuntimeWarning naming the records that hold fewer than ``time_slice`` steps: they keep all of
+        theirs (Python's slicing, as documented), so their samples hold fewer steps than asked, which a model
+        expecting ``time_slice`` steps would otherwise meet only as a shape error, or not at all."""
+        k, cat = self._time_slice, self._catalog
+        if k is None:
+            return
+        lengths = np.full(len(cat), k, dtype=np.int64)
+        for name in cat.fields:
+            axis = self._time_axis(name)
+            if axis is not None and cat.shapes[name].shape[1]:
+                lengths = np.minimum(lengths, cat.shapes[name][:, axis])
+        short = np.flatnonzero(lengths < k)
+        if not short.size:
+            return
+        shown = ", ".join(f"{cat.names[b]!r} (T={int(lengths[b])})" for b in short[:5])
+        more = f" and {short.size - 5} more" if short.size > 5 else ""
+        warnings.warn(f"ZarrRecords({cat.root!r}, time_slice={k}): {short.size} of {len(cat)} records hold fewer "
+                      f"than {k} steps and keep all of theirs, so their samples have fewer than {k}: {shown}{more}. "
+                      f"For as many steps in every sample pass time_slice={int(lengths.min())} (the shortest), or "
+                      "leave those records out", RuntimeWarning, stacklevel=3)
 
     def _out_shape(self, b: int, name: str) -> tuple[int, ...]:
         shape = self._catalog.shape(b, name)

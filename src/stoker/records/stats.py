@@ -39,6 +39,7 @@ until the file is in place.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -74,7 +75,14 @@ class FieldStats:
     """Statistics of one field: ``count`` elements per channel were read (int64), ``skipped`` of them (per
     channel, int64) were non-finite and left out (only with ``nonfinite="skip"``; zeros otherwise); float64
     ``mean``, population ``std`` (ddof=0), ``min`` and ``max`` of the rest. Each of shape ``(C,)`` per
-    channel or ``()``, ``count`` a scalar."""
+    channel or ``()``, ``count`` a scalar.
+
+    ``channel_axis``: the axis of the data the channels lie on, counted from the end (-1: the last), so it
+    names the same axis of an array and of a batch of its crops: the records' per-channel statistics (-1),
+    or an array's with ``stoker.compute_stats(..., channel_axis=k)``. None where the channels are no axis of
+    the data: scalar statistics, or one channel per array of a list (the batch's axis 1).
+    ``ndim``: the axes of the array that ``channel_axis`` counts in (None for records, whose shapes vary):
+    ``Normalize.from_stats`` checks a batch against it, as a batch of several arrays holds one more axis."""
 
     count: torch.Tensor
     mean: torch.Tensor
@@ -82,10 +90,16 @@ class FieldStats:
     min: torch.Tensor
     max: torch.Tensor
     skipped: torch.Tensor | None = None  # None: zeros
+    channel_axis: int | None = None
+    ndim: int | None = None
 
     def __post_init__(self) -> None:
         if self.skipped is None:
             object.__setattr__(self, "skipped", torch.zeros(self.mean.shape, dtype=torch.int64))
+        if self.channel_axis is not None and not (self.channel_axis < 0 and self.mean.dim() == 1):
+            # counted from the end: a non-negative axis would mean another batch axis for (B, *box) and (C, ...)
+            raise ValueError(f"FieldStats.channel_axis counts from the end (< 0) and needs per-channel statistics, "
+                             f"got {self.channel_axis} for statistics of shape {tuple(self.mean.shape)}")
 
     @staticmethod
     def from_moments(m: Moments) -> "FieldStats":
@@ -94,17 +108,32 @@ class FieldStats:
                           m.skipped.clone())
 
     def to_json(self) -> dict[str, Any]:
-        return {"count": int(self.count), **{k: getattr(self, k).tolist() for k in ("mean", "std", "min", "max")},
-                "skipped": self.skipped.tolist()}
+        doc = {"count": int(self.count), **{k: getattr(self, k).tolist() for k in ("mean", "std", "min", "max")},
+               "skipped": self.skipped.tolist()}
+        # only when set: a document without them reads as before (and stats_fingerprint leaves them out)
+        doc.update({k: getattr(self, k) for k in ("channel_axis", "ndim") if getattr(self, k) is not None})
+        return doc
 
     @staticmethod
     def from_json(doc: Mapping[str, Any]) -> "FieldStats":
+        """The statistics of ``to_json``'s document; an older one, which never says its axis, reads as None:
+        the caches that hold such documents set the axis from what they were asked (``with_axis``)."""
         tensors = {k: torch.tensor(doc[k], dtype=F64) for k in ("mean", "std", "min", "max")}
         tensors["skipped"] = torch.tensor(doc["skipped"], dtype=torch.int64)
         shapes = {tuple(t.shape) for t in tensors.values()}
         if len(shapes) != 1 or len(next(iter(shapes))) > 1:
             raise ValueError(f"inconsistent shapes {shapes}")
-        return FieldStats(torch.tensor(int(doc["count"]), dtype=torch.int64), **tensors)
+        axes = {k: doc.get(k) for k in ("channel_axis", "ndim")}
+        if not all(v is None or (isinstance(v, int) and not isinstance(v, bool)) for v in axes.values()):
+            raise ValueError(f"channel_axis and ndim must be ints or absent, got {axes}")
+        return FieldStats(torch.tensor(int(doc["count"]), dtype=torch.int64), **tensors, **axes)
+
+    def with_axis(self, channel_axis: int | None, ndim: int | None = None) -> "FieldStats":
+        """These statistics, saying the axis their channels lie on (see the class); themselves when they say
+        it already (``compute_stats(reuse=)`` hands back the very objects it was given)."""
+        if (self.channel_axis, self.ndim) == (channel_axis, ndim):
+            return self
+        return dataclasses.replace(self, channel_axis=channel_axis, ndim=ndim)
 
 
 # -- normalisation -----------------------------------------------------------------------------
@@ -136,6 +165,11 @@ def _affine(sample: Mapping[str, torch.Tensor], stats: Mapping[str, FieldStats],
         st = stats.get(name)
         if st is None:
             continue
+        if st.channel_axis not in (None, -1):  # per channel on another axis: the last would be silently wrong
+            raise InvalidArgument(
+                f"the statistics of {name!r} are per channel along axis {st.channel_axis} (counted from the end), "
+                "but normalize broadcasts them over the last axis; compute them with channel_axis=-1, or use "
+                "stoker.transforms.Normalize.from_stats on the batch", field=name)
         if x.dtype in (torch.float16, torch.bfloat16):  # in float32, rounded once: in its own dtype the mean
             # itself was rounded first (283.7 to 284 in bfloat16), every value shifted alike, a bias not noise
             mean, std = _scale(st, torch.float32, x.device)
@@ -492,12 +526,19 @@ def compute_stats(
     try:
         loaded = _from_entry(entry, expect, list(derived)) if entry is not None else None
         if loaded is not None:  # every rank holds rank 0's entry: all return here, or none
-            return loaded
-        return _compute(ds, local, names, derived, per_channel, skip, expect, group, world, fp, nonfinite,
-                        folder, lead, derived_input, reuse)
+            return _channels_last(loaded)
+        return _channels_last(_compute(ds, local, names, derived, per_channel, skip, expect, group, world, fp,
+                                       nonfinite, folder, lead, derived_input, reuse))
     finally:
         if held is not None:
             held.release()
+
+
+def _channels_last(stats: dict[str, FieldStats]) -> dict[str, FieldStats]:
+    """The records' per-channel statistics say their channels are the last axis (what ``normalize`` and a
+    collated batch, ``(B, N, C)`` or ``(sum N, C)``, hold there), so ``Normalize.from_stats`` normalises that
+    axis: set here, not read from the sidecar, whose entries written before this never said it."""
+    return {name: st.with_axis(-1 if st.mean.dim() == 1 else None) for name, st in stats.items()}
 
 
 def stats_fingerprint(stats: Mapping[str, FieldStats]) -> str:
@@ -509,7 +550,9 @@ def stats_fingerprint(stats: Mapping[str, FieldStats]) -> str:
     """
     if not isinstance(stats, Mapping) or not all(isinstance(v, FieldStats) for v in stats.values()):
         raise InvalidArgument("statistics must be a dict of name -> FieldStats (a compute_stats result)")
-    doc = {str(name): st.to_json() for name, st in stats.items()}
+    # the numbers alone (not channel_axis, ndim): what normalising a record depends on, as keyed before them
+    doc = {str(name): {k: v for k, v in st.to_json().items() if k not in ("channel_axis", "ndim")}
+           for name, st in stats.items()}
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 

@@ -4,6 +4,7 @@ with ``field=``, on one field of a dict batch."""
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -50,20 +51,31 @@ def _per_channel(name: str, values: Any) -> torch.Tensor:
     return t
 
 
+def _check_axis(axis: Any) -> int:
+    if isinstance(axis, bool) or not isinstance(axis, numbers.Integral) or axis == 0:
+        raise InvalidArgument(f"Normalize: axis must be the batch axis that holds the channels, an int other than 0 "
+                              f"(the batch's samples; negative counts from the end), got {axis!r}", knob="axis")
+    return int(axis)
+
+
 class Normalize:
     """``(x - mean) / std`` per channel, in place, in the batch's dtype; a 16-bit tensor (a field of a dict
     batch, or ``dtype='native'``) in float32, rounded once (a float16 result past 65504: InvalidArgument).
 
-    ``mean`` and ``std`` are numbers (every element) or sequences/tensors of one value per channel: the
-    batch's axis 1, i.e. ``(B, C, *box)`` batches of multi-array samples. A channel count other than the
-    batch's is an InvalidArgument at the first batch. ``std`` must be > 0. ``field`` names the field it
-    acts on in a dict batch (``{name: tensor}``); None for a batch tensor.
+    ``mean`` and ``std`` are numbers (every element) or sequences/tensors of one value per channel, the
+    channels being the batch's axis ``axis``: 1 (the default) for the ``(B, C, *box)`` batches of
+    multi-array samples, -1 for the ``(B, Z, Y, X, C)`` crops of a channel-last array (negative counts from
+    the end). A channel count other than the batch's there is an InvalidArgument at the first batch.
+    ``std`` must be > 0. ``field`` names the field it acts on in a dict batch (``{name: tensor}``); None for
+    a batch tensor. :meth:`from_stats` takes the axis from the statistics.
 
     >>> Normalize(mean=[280.0], std=[12.0], field="raw")   # the raw field of a dict batch, labels left alone
+    >>> Normalize(mean=[0.4, 0.5, 0.6], std=[0.2, 0.2, 0.2], axis=-1)   # RGB last: (B, Y, X, 3) crops
     """
 
-    def __init__(self, mean: Any, std: Any, field: str | None = None) -> None:
+    def __init__(self, mean: Any, std: Any, field: str | None = None, axis: int = 1) -> None:
         self.field = _check_field("Normalize", field)
+        self.axis = _check_axis(axis)
         self.mean = _per_channel("mean", mean)
         self.std = _per_channel("std", std)
         if self.mean.shape != self.std.shape and self.mean.dim() and self.std.dim():
@@ -72,23 +84,39 @@ class Normalize:
             hint = ("; a std of 0 is a constant channel (or field): give it 1.0 to centre it only, as "
                     "Normalize.from_stats does" if (self.std == 0).any() else "")
             raise InvalidArgument(f"Normalize: std must be > 0 on every channel, got {self.std.tolist()}{hint}")
+        # from_stats of one array's channels: the axes of that array (its crops' batch has one more), else None
+        self._array_ndim: int | None = None
         self._cache: dict[tuple, tuple[torch.Tensor, ...]] = {}
 
     @classmethod
     def from_stats(cls, stats: Any, **kwargs: Any) -> "Normalize":
         """From statistics with ``mean`` and ``std`` per channel: a ``FieldStats``, one field of what
-        :func:`stoker.records.compute_stats` returns, or what :func:`stoker.compute_stats` returns for an
-        array (scalar) or a list of arrays (per channel: the batch's axis 1). Channels whose std is 0
-        (constant) are only centred, as :func:`stoker.records.normalize` does. Other keyword arguments go to
-        the constructor as they are (``field=`` for one field of a dict batch).
+        :func:`stoker.records.compute_stats` returns (channels last: ``axis=-1``), or what
+        :func:`stoker.compute_stats` returns for an array (scalar, or per index of its ``channel_axis``: that
+        axis of a ``(B, *box)`` batch of its crops) or a list of arrays (per channel: the batch's axis 1).
+        Channels whose std is 0 (constant) are only centred, as :func:`stoker.records.normalize` does. Other
+        keyword arguments go to the constructor as they are (``field=`` for one field of a dict batch;
+        ``axis=`` overrides the statistics' axis).
+
+        Statistics along an axis of one array fit the ``(B, *box)`` batches of its crops: a batch with
+        another number of axes (a sample of several arrays, ``(B, A, *box)``, which they would normalise
+        all alike with one array's numbers) is an InvalidArgument unless ``axis=`` is given.
 
         >>> norm = Normalize.from_stats(stoker.compute_stats([["/d/c0.zarr", "/d/c1.zarr"]])[0])
+        >>> norm = Normalize.from_stats(stoker.compute_stats("/d/rgb.zarr", channel_axis=-1))  # (B, Y, X, 3)
         """
         if not hasattr(stats, "mean") or not hasattr(stats, "std"):
             raise InvalidArgument(f"Normalize.from_stats takes an object with mean and std (a FieldStats of "
                                   f"compute_stats' result, one field), got {type(stats).__name__}")
         std = _per_channel("std", stats.std)
-        return cls(stats.mean, torch.where(std > 0, std, torch.ones_like(std)), **kwargs)
+        along = getattr(stats, "channel_axis", None)
+        checked = along is not None and "axis" not in kwargs  # an axis given by hand is the caller's choice
+        if checked:  # only then: a subclass whose constructor takes no axis still works for the rest
+            kwargs["axis"] = along
+        norm = cls(stats.mean, torch.where(std > 0, std, torch.ones_like(std)), **kwargs)
+        if checked:
+            norm._array_ndim = getattr(stats, "ndim", None)
+        return norm
 
     @property
     def channels(self) -> int | None:
@@ -100,7 +128,9 @@ class Normalize:
         key = (x.device, dtype, x.dim())
         held = self._cache.get(key)
         if held is None:
-            shape = (1, -1) + (1,) * (x.dim() - 2) if self.channels else ()
+            shape: tuple[int, ...] = ()
+            if self.channels:  # one value per channel along self.axis (checked to exist by __call__)
+                shape = tuple(-1 if a == self.axis % x.dim() else 1 for a in range(x.dim()))
             held = self._cache[key] = tuple(v.to(dtype=dtype).reshape(shape).to(x.device)
                                             for v in (self.mean, self.std))
         return held
@@ -112,12 +142,8 @@ class Normalize:
             raise InvalidArgument(f"Normalize needs a floating batch, got {x.dtype} for {where}the batch; use "
                                   "Config(dtype='f32', 'bf16' or 'f16')", knob="transform")
         c = self.channels
-        if c is not None and (x.dim() < 2 or x.shape[1] != c):
-            have = f"{x.shape[1]} channels" if x.dim() >= 2 else "no channel axis"
-            raise InvalidArgument(
-                f"Normalize has {c} channels (mean {self.mean.tolist()}, std {self.std.tolist()}) but {where}the "
-                f"batch of shape {tuple(x.shape)} has {have} on axis 1; give one mean and std per array of the "
-                "samples", knob="transform")
+        if c is not None:
+            self._check_channels(x, c, where)
         if x.dtype not in _HALF:
             mean, std = self._scale(x, x.dtype)
             x.sub_(mean).div_(std)
@@ -137,15 +163,38 @@ class Normalize:
         x.copy_(y)
         return batch
 
+    def _check_channels(self, x: torch.Tensor, c: int, where: str) -> None:
+        """A typed error unless ``x`` holds ``c`` channels on ``self.axis`` (and, from one array's statistics,
+        has the axes of a batch of its crops): a batch axis that merely has ``c`` entries is no proof."""
+        n, axis = self._array_ndim, self.axis
+        if n is not None and x.dim() != n + 1:
+            several = (f" (B, A, *box): samples of several arrays, which one array's statistics would all "
+                       f"normalise alike; pass axis={axis} to from_stats to do that anyway, or compute the "
+                       "statistics of the arrays as a list (one channel each)" if x.dim() == n + 2 else "")
+            raise InvalidArgument(
+                f"Normalize.from_stats has statistics of one array of {n} axes, per channel along its axis {axis}, "
+                f"which fit a batch of its crops, (B, *box) with {n + 1} axes; {where}the batch has shape "
+                f"{tuple(x.shape)}{several}", knob="transform")
+        if not (-x.dim() <= axis < x.dim()) or axis % x.dim() == 0 or x.shape[axis] != c:
+            have = (f"has {x.shape[axis]} channels on axis {axis}" if -x.dim() <= axis < x.dim() and axis % x.dim()
+                    else f"has no axis {axis} (besides the samples' axis 0)")
+            raise InvalidArgument(
+                f"Normalize has {c} channels (mean {self.mean.tolist()}, std {self.std.tolist()}) but {where}the "
+                f"batch of shape {tuple(x.shape)} {have}; give one mean and std per channel (per array of the "
+                "samples on axis 1), or the batch axis that holds them with axis=", knob="transform")
+
     def __getstate__(self) -> dict:
-        return {"mean": self.mean, "std": self.std, "field": self.field, "_cache": {}}
+        return {"mean": self.mean, "std": self.std, "field": self.field, "axis": self.axis,
+                "_array_ndim": self._array_ndim, "_cache": {}}
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update({"field": None, **state})  # pickled before field= existed: the batch tensor
+        # pickled before field= and axis= existed: the batch tensor, channels on axis 1
+        self.__dict__.update({"field": None, "axis": 1, "_array_ndim": None, **state})
 
     def __repr__(self) -> str:
         field = "" if self.field is None else f", field={self.field!r}"
-        return f"Normalize(mean={self.mean.tolist()}, std={self.std.tolist()}{field})"
+        axis = "" if self.axis == 1 else f", axis={self.axis}"
+        return f"Normalize(mean={self.mean.tolist()}, std={self.std.tolist()}{field}{axis})"
 
 
 class FillNaN:
