@@ -1171,10 +1171,14 @@ class NativeDecoder:
                 continue
             self._current = job  # (failed by _faulted should this loop raise)
             all_placed = False
+            # chunks read from disk-cache entries hold no fetch's buffers: nothing for the finally below to give
+            # back (what _finish_from_disk raised reaches the consumer, and this thread goes on)
+            disk = fetched if isinstance(fetched, _FromDisk) else None
+            if disk is not None:
+                fetched = None
             try:
-                if isinstance(fetched, _FromDisk):
-                    self._finish_from_disk(job, bjob, eids, fetched)
-                    fetched = None
+                if disk is not None:
+                    self._finish_from_disk(job, bjob, eids, disk)
                 else:
                     all_placed = self._finish(job, bjob, eids, fetched and fetched[0])
             except BaseException as exc:  # noqa: BLE001 - a bug here must reach the consumer, not hang it
@@ -1186,7 +1190,7 @@ class NativeDecoder:
                         self._frame_buffers.give(fetched[2])
             self._stats.charge_thread()
             self._current = None
-            del job, bjob, eids, fetched  # hold nothing of a finished batch while idle
+            del job, bjob, eids, fetched, disk  # hold nothing of a finished batch while idle
 
     def _faulted(self, fault: InternalError) -> None:
         """The finisher's loop raised (a bug, ``fault``; its thread ends): the job it was finishing, every job
