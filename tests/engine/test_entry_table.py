@@ -167,3 +167,30 @@ def test_a_key_kept_again_is_found_with_its_new_entry_and_stamp_only():
     blobs, plens, ilens = table.entries(slots[1:2])
     assert blobs == [b"/cache/a/much/longer/path/of/the/new/entry" + b"new ident"]
     assert (plens.tolist(), ilens.tolist()) == ([len(b"/cache/a/much/longer/path/of/the/new/entry")], [9])
+
+
+def test_a_look_up_hands_on_the_entries_it_checked_whatever_is_kept_after(monkeypatch):
+    """lookup reads a slot's key, stamp, bound and ticket and its entry under one hold of the lock: the entry it
+    hands on is the one checked, even when the slot expires right after and another key takes it (find, then
+    entries, read the slot twice: the second read would hand on the newcomer's entry for the chunk found)."""
+    monkeypatch.setattr(entry_table, "SLOTS", WAYS)  # one set: a newcomer can only take a slot of the first keys
+    table, stamp, _ = _stamped()
+    keys = _keys(1, range(WAYS))
+    _keep(table, keys, stamp, until=NOW + 1)
+    slots, blobs, lens = table.lookup(keys, stamp, 0, NOW)
+    assert (slots >= 0).all()
+    _keep(table, _keys(2, range(WAYS)), stamp, until=NOW + 60, now=NOW + 2)  # every slot expired: all retaken
+    assert (_find(table, keys, stamp, now=NOW) == -1).all()
+    for key, blob, (plen, ilen) in zip(keys.tolist(), blobs.tolist(), lens.tolist()):
+        assert blob[:plen] == f"/cache/{key[0]}/{key[1]}/{key[2]}".encode()
+        assert blob[plen:] == f"id {key[0]} {key[1]} {key[2]} {key[3]}".encode() and len(blob) == plen + ilen
+
+
+def test_a_second_epoch_of_many_small_arrays_finds_every_chunk_kept():
+    """Scenario 6's chunks (1,000 arrays of 32 files each, 32,000 keys in 131,072 slots) are all kept and all
+    found: a key dropped because its set was full is asked of its store every batch, a step per chunk."""
+    table, stamp, _ = _stamped()
+    keys = np.concatenate([_keys(uid, range(32)) for uid in range(1, 1001)])
+    _keep(table, keys, stamp)
+    assert table.kept == len(keys)
+    assert (_find(table, keys, stamp) >= 0).all()

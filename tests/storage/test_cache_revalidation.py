@@ -746,11 +746,13 @@ def test_a_box_of_more_chunks_than_box_keys_keeps_no_keys(http, data, tmp_path, 
     assert revalidate_ahead(samples, lambda u: a, asked) == 16
 
 
-def test_a_second_epoch_asks_about_boxes_its_first_asked_about_before_their_reads(http, data, tmp_path):
+def test_a_second_epoch_asks_about_boxes_its_first_asked_about_before_their_reads(http, data, tmp_path,
+                                                                                  monkeypatch):
     # a pipeline's first epoch asks ahead about its boxes before their chunks are read (a cold cache: nothing
     # known, nothing HEADed, as a read states each generation), so the chunks' own record says nothing of
-    # them; its second epoch finds each box's kept keys known fresh by one look-up per box, building no key
-    # and asking the store nothing, and its reads ask nothing either
+    # them; its second epoch finds each box's kept keys known fresh by one look-up per box, building no key,
+    # not even the box's ranges of cells (a step a sample on the coordinator, every batch), and asking the
+    # store nothing, and its reads ask nothing either
     from stoker.engine.pipeline import prefetch
     from stoker.engine.pipeline.prefetch import Revalidated
 
@@ -768,13 +770,16 @@ def test_a_second_epoch_asks_about_boxes_its_first_asked_about_before_their_read
     built: list = []
     key_of = a.key_of
     a.key_of = lambda path: built.append(path) or key_of(path)  # type: ignore[method-assign]
+    ranges: list = []
+    cells_touched = prefetch.cells_touched
+    monkeypatch.setattr(prefetch, "cells_touched", lambda *box: ranges.append(box) or cells_touched(*box))
     start = len(http.log)
     try:
         assert revalidate_ahead(samples, lambda u: a, asked) == 0  # epoch 2: one look-up a box
         assert revalidate_ahead(samples, lambda u: a, asked) == 0
     finally:
         del a.key_of
-    assert built == []
+    assert built == [] and ranges == []
     np.testing.assert_array_equal(a.read((slice(0, 64), slice(0, 64))), zarr_values(data, "plain"))
     assert [(m, p) for _, m, p in http.log[start:] if "/plain/" in p] == []
     assert prefetch.MAX_REVALIDATE >= 16

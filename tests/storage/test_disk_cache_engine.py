@@ -709,6 +709,37 @@ def test_a_batch_read_whole_from_disk_is_settled_by_its_waiter(s3, data, tmp_pat
         assert set(finished) == {"stoker-engine-finisher"}, finished
 
 
+def test_an_error_finishing_a_batch_from_disk_fails_that_batch_alone(s3, data, tmp_path, monkeypatch):
+    """What finishing a batch read from disk-cache entries raises on the finisher thread (here a stand-in
+    error; in earnest a bug, or a fetch of an unsound entry's chunk refused) is what that batch's pop raises,
+    and the finisher thread goes on. Its clean-up took the batch's _FromDisk for a fetch's buffers
+    (``fetched[1]``): a TypeError ended the thread, and the decoder failed every later job with an
+    InternalError naming that TypeError, not the error that happened."""
+    from stoker.engine.cpu.decode_native import NativeDecoder
+
+    path = "plain"
+    uri, options, prefix = upload(s3, data, "finisher")
+    folder, cache = cache_folder(tmp_path)
+    cfg = _config(options, folder)
+    _first_epoch(cfg, cache, uri, data, path)
+    finish = NativeDecoder._finish_from_disk
+
+    def failing(self, job, bjob, eids, disk):
+        raise RuntimeError("finishing failed")
+
+    with stoker.Pipeline(cfg) as p:  # epoch 2: entries read by the engine
+        _batch(p, uri, data, path)
+        damage_entries(folder, "flip")  # an unsound entry: its batch goes to the finisher
+        monkeypatch.setattr(NativeDecoder, "_finish_from_disk", failing)
+        with pytest.raises(RuntimeError, match="finishing failed"):
+            _batch(p, uri, data, path)
+        decoder = p._coordinator.executor.decoders.native
+        assert decoder._fault is None and all(t.is_alive() for t in decoder.threads())
+    monkeypatch.setattr(NativeDecoder, "_finish_from_disk", finish)
+    with stoker.Pipeline(cfg) as p:  # (a pipeline's error is sticky: another one reads the entries again)
+        _batch(p, uri, data, path)
+
+
 @pytest.mark.parametrize("executor", ["engine", "python", "gpu", "hybrid"])
 @pytest.mark.parametrize("path", list(ARRAYS))
 def test_a_batch_of_local_and_cached_remote_arrays_reads_both(remote, data, tmp_path, monkeypatch, path, executor):

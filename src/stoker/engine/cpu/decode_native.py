@@ -472,21 +472,25 @@ def _keys_of(source: "_Source", coords: np.ndarray) -> list[str]:
     return [form.format(*row) for row in coords.tolist()]
 
 
-def _entry_keys(plan: TablePlan, ids: np.ndarray, sources: "_SourceSet") -> np.ndarray:
+def _entry_keys(plan: TablePlan, ids: np.ndarray, sources: "_SourceSet", every: bool = False) -> np.ndarray:
     """The keys of the chunks ``ids`` of ``plan`` in a table of entries (:mod:`.entry_table`), ``(n, 4)``: its array's
     number (0: one whose entries are not kept), its file's number in the array's grid of files, and the chunk's
-    offset and length in it (-1, -1: the whole file). A few numpy steps, whatever the number of chunks."""
-    files = plan.files[plan.chunk_file[ids]]
+    offset and length in it (-1, -1: the whole file). A few numpy steps, whatever the number of chunks; fewer
+    with ``every`` (``ids`` are every chunk of the plan, in order: a batch all fetched, a second epoch's from the
+    disk cache), which needs no gather by ``ids`` (each step costs the coordinator microseconds in a busy
+    pipeline)."""
+    files = plan.files[plan.chunk_file if every else plan.chunk_file[ids]]
     keys = np.empty((len(ids), 4), np.int64)
     coords = files[:, native.F_COORDS:]
     rank = coords.shape[1]
     disk = sources.disk[files[:, native.F_SOURCE]]  # each chunk's array's row, in one gather
-    # a file's number is its own only inside the grid: one outside (never planned so) gets no key (array 0)
-    inside = ((coords >= 0) & (coords < disk[:, DISK_GRID:DISK_GRID + rank])).all(axis=1)
+    # a file's number is its own only inside the grid: one outside (never planned so) gets no key (array 0); as
+    # unsigned numbers, a coordinate below 0 is past every grid's end, so one comparison says both
+    inside = (coords.view(np.uint64) < disk[:, DISK_GRID:DISK_GRID + rank].view(np.uint64)).all(axis=1)
     keys[:, 0] = np.where(inside, disk[:, DISK_UID], 0)
     keys[:, 1] = (coords * disk[:, DISK_GRID + rank:]).sum(axis=1)
-    keys[:, 2] = plan.chunk_offset[ids]
-    keys[:, 3] = plan.chunk_length[ids]
+    keys[:, 2] = plan.chunk_offset if every else plan.chunk_offset[ids]
+    keys[:, 3] = plan.chunk_length if every else plan.chunk_length[ids]
     return keys
 
 
@@ -801,18 +805,21 @@ class NativeDecoder:
         stamps = [table.stamp_of(kv) or 0 for kv in stores]
         settled = [getattr(kv, "settled", 0) for kv in stores]
         now = time.monotonic()
+        # (ids, as _fetch takes them, are distinct chunks in chunk order: as many as the plan's, they are all)
+        keys = _entry_keys(plan, asked, sources, every=len(asked) == plan.n_chunks)
         if len(stores) == 1:  # (the usual batch: its arrays in one bucket) each chunk's store's, as one number
-            slots = table.find(_entry_keys(plan, asked, sources), stamps[0], settled[0], now)
+            slots, blobs, lens = table.lookup(keys, stamps[0], settled[0], now)
         else:
             owner = store_of[plan.chunk_source[asked]]
-            slots = table.find(_entry_keys(plan, asked, sources), np.array(stamps, np.int64)[owner],
-                               np.array(settled, np.int64)[owner], now)
+            slots, blobs, lens = table.lookup(keys, np.array(stamps, np.int64)[owner],
+                                              np.array(settled, np.int64)[owner], now)
+        # each found chunk's entry (its path and ident joined) and their lengths (a row each), as the table held
+        # them when it checked them (one hold of its lock)
         hit = slots >= 0
         if hit.all():  # (a second epoch's batch: every chunk in the table) no step to pick the hits
-            blobs, plens, ilens = table.entries(slots)
             eids, rest = asked, asked[:0]
         else:
-            blobs, plens, ilens = table.entries(slots[hit])
+            blobs, lens = blobs[hit], lens[hit]
             eids = asked[hit]
             rest = asked if not len(eids) else asked[~hit]
         found: list = []  # (chunk, (path, ident)) of those not in the table
@@ -833,15 +840,20 @@ class NativeDecoder:
                 found += self._asked(plan, them, stores[k], stamps[k], settled[k], sources, now)
         if found:
             cids, entries = zip(*found)
-            blobs += [p + i for p, i in entries]
-            plens = np.concatenate([plens, np.fromiter((len(e[0]) for e in entries), np.int64, len(entries))])
-            ilens = np.concatenate([ilens, np.fromiter((len(e[1]) for e in entries), np.int64, len(entries))])
+            more = np.empty(len(entries), object)
+            more[:] = [p + i for p, i in entries]
+            blobs = np.concatenate([blobs, more])
+            lens = np.concatenate([lens, np.array([(len(p), len(i)) for p, i in entries], np.int64)])
             eids = np.concatenate([eids, np.array(cids, np.int64)])
         if not len(eids):
             return ids
-        # an ident or a path (a deep cache folder) the engine's tables cannot hold: fetched instead
-        fits = (ilens <= native.ENTRY_IDENT_CAP) & (plens < native.PATH_CAP)
-        order = None if fits.all() else np.flatnonzero(fits)
+        # an ident or a path (a deep cache folder) the engine's tables cannot hold: fetched instead (the longest
+        # of each looked at first: one step where all fit, as they do but in a folder hundreds of bytes deep)
+        longest = lens.max(axis=0).tolist()
+        order = None
+        if longest[0] >= native.PATH_CAP or longest[1] > native.ENTRY_IDENT_CAP:
+            fits = (lens[:, 0] < native.PATH_CAP) & (lens[:, 1] <= native.ENTRY_IDENT_CAP)
+            order = np.flatnonzero(fits)
         # chunk order, as every engine call takes them (those of the table alone are: a subset of ids, in order)
         if found and len(eids) > 1 and (eids[1:] < eids[:-1]).any():
             by_chunk = np.argsort(eids, kind="stable")
@@ -849,18 +861,16 @@ class NativeDecoder:
         if order is not None:
             if not len(order):
                 return ids
-            eids, plens, ilens = eids[order], plens[order], ilens[order]
-            held = np.empty(len(blobs), object)
-            held[:] = blobs
-            blobs = held[order].tolist()
+            eids, lens, blobs = eids[order], lens[order], blobs[order]
         owner = store_of[plan.chunk_source[eids]] if len(stores) > 1 else np.zeros(len(eids), np.intp)
-        sizes = plens + ilens
-        starts = np.cumsum(sizes) - sizes
+        # each entry's path then ident, end to end in the blob: their starts from the running sum of their lengths
+        flat = lens.reshape(-1)
+        starts = np.cumsum(flat) - flat
         rows = np.empty((len(eids), native.N_ENTRY_COLS), np.int64)
-        rows[:, native.E_PATH_START] = starts
-        rows[:, native.E_PATH_LEN] = plens
-        rows[:, native.E_IDENT_START] = starts + plens
-        rows[:, native.E_IDENT_LEN] = ilens
+        rows[:, native.E_PATH_START] = starts[0::2]
+        rows[:, native.E_PATH_LEN] = lens[:, 0]
+        rows[:, native.E_IDENT_START] = starts[1::2]
+        rows[:, native.E_IDENT_LEN] = lens[:, 1]
         blob = b"".join(blobs)
         # the rest, to fetch (none where every chunk was taken: eids are distinct chunks of ids)
         rest = ids[:0] if len(eids) == len(ids) else ids[~np.isin(ids, eids)]
@@ -1172,10 +1182,14 @@ class NativeDecoder:
                 continue
             self._current = job  # (failed by _faulted should this loop raise)
             all_placed = False
+            # chunks read from disk-cache entries hold no fetch's buffers: nothing for the finally below to give
+            # back (what _finish_from_disk raised reaches the consumer, and this thread goes on)
+            disk = fetched if isinstance(fetched, _FromDisk) else None
+            if disk is not None:
+                fetched = None
             try:
-                if isinstance(fetched, _FromDisk):
-                    self._finish_from_disk(job, bjob, eids, fetched)
-                    fetched = None
+                if disk is not None:
+                    self._finish_from_disk(job, bjob, eids, disk)
                 else:
                     all_placed = self._finish(job, bjob, eids, fetched and fetched[0])
             except BaseException as exc:  # noqa: BLE001 - a bug here must reach the consumer, not hang it
@@ -1187,7 +1201,7 @@ class NativeDecoder:
                         self._frame_buffers.give(fetched[2])
             self._stats.charge_thread()
             self._current = None
-            del job, bjob, eids, fetched  # hold nothing of a finished batch while idle
+            del job, bjob, eids, fetched, disk  # hold nothing of a finished batch while idle
 
     def _faulted(self, fault: InternalError) -> None:
         """The finisher's loop raised (a bug, ``fault``; its thread ends): the job it was finishing, every job

@@ -8,8 +8,8 @@ are found in a constant number of numpy steps, whatever their number.
 
 A chunk's key is four integers: its array's number (``_Source.uid``; 0: never kept), its file's number in the
 array's grid of files (C order) and its range in that file (offset and length; -1, -1: the whole file). The
-table is set-associative: a key's hash picks a set of :data:`WAYS` slots, and a look-up compares the batch's keys
-with their sets' slots at once. Each slot holds, besides its key:
+table is set-associative: a key's hash (one matrix product) picks a set of :data:`WAYS` slots, and a look-up
+compares the batch's keys with their sets' slots at once. Each slot holds, besides its key:
 
 - the entry (its path and ident, one ``bytes`` each, joined: what the engine reads and checks);
 - ``until``: when its object's generation leaves the staleness bound (``CachingStore.known_until``);
@@ -32,7 +32,7 @@ fetches made).
 
 >>> table = EntryTable()
 >>> table.keep(keys, stamps, untils, tickets, paths, idents)        # keys: (n, 4) int64
->>> slots = table.find(keys, stamps, settled, time.monotonic())   # -1: not found
+>>> slots, entries, lengths = table.lookup(keys, stamps, settled, time.monotonic())   # slots: -1, not found
 """
 
 from __future__ import annotations
@@ -47,26 +47,25 @@ SLOTS = 1 << 17
 WAYS = 8
 #: The key's columns: array number, file number, offset, length.
 KEY_COLUMNS = 4
-#: A slot's row of integers (``EntryTable.rec``): its key, then these columns.
-_STAMP, _TICKET, _PATH_LEN, _IDENT_LEN = range(KEY_COLUMNS, KEY_COLUMNS + 4)
-_REC_COLUMNS = KEY_COLUMNS + 4
+#: A slot's row of integers (``EntryTable.rec``): its key, then these columns (``_UNTIL``: a float64's bits).
+_STAMP, _TICKET, _PATH_LEN, _IDENT_LEN, _UNTIL = range(KEY_COLUMNS, KEY_COLUMNS + 5)
+_REC_COLUMNS = KEY_COLUMNS + 5
 
-# odd constants combining a key's columns (one matrix product), then splitmix64's finalizer
+# odd constants combining a key's columns (one matrix product, wrapping modulo 2**64)
 _COMBINE = np.array([0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0xD6E8FEB86659FD93], np.uint64)
-_M2, _M3 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
-_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+#: where a key's set is read from its hash: bits 32 and up, which every bit of every column below them moves
+#: (the low bits of a sum of products are poor: bit 0 depends on the columns' bits 0 only)
+_SET_SHIFT = np.uint64(32)
 
 
 def _hash(keys: np.ndarray) -> np.ndarray:
-    """Each key's 64-bit hash (uint64): what picks its set and what a slot is compared with first (the key
-    itself is compared only in the slot whose hash matched)."""
-    h = keys.view(np.uint64) @ _COMBINE  # wraps modulo 2**64, as the mixer wants
-    h ^= h >> _S30
-    h *= _M2
-    h ^= h >> _S27
-    h *= _M3
-    h ^= h >> _S31
-    return h
+    """Each key's 64-bit hash (uint64): one matrix product, what picks its set (its bits from 32 up) and what a
+    slot is compared with first (the key itself is compared only in the slot whose hash matched). Distinct keys
+    of a batch (small integers: an array's number, a file's, an offset and a length) share a hash only where a
+    difference of theirs times the constants sums to 0 modulo 2**64: then the later one is not kept beside the
+    first, a miss, never a wrong entry (the key is compared in full). One step, not a mixer's eight: a batch's
+    look-up runs on the coordinator, whose every numpy step costs several microseconds in a busy pipeline."""
+    return keys.view(np.uint64) @ _COMBINE
 
 
 class EntryTable:
@@ -112,28 +111,42 @@ class EntryTable:
         """Under the lock: the stamp numbers current now (a slot of any other is stale)."""
         return np.fromiter((held[2] for held in self._stamps.values()), np.int64, len(self._stamps))
 
+    def _set_of(self, hashes: np.ndarray) -> np.ndarray:
+        """The set each hash picks (intp), from its bits 32 and up (see :func:`_hash`)."""
+        return ((hashes >> _SET_SHIFT) & np.uint64(self.slots // WAYS - 1)).astype(np.intp)
+
+    def lookup(self, keys: np.ndarray, stamps: Any, settled: Any, now: float
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(slots, entries, lengths)``: the slot of each of ``keys`` (``(n, 4)`` int64) whose entry may be read
+        now, else -1 (see :meth:`find`), and of every key (found or not: pick the found ones) the entry in its
+        slot (its path and ident joined, ``bytes`` in an object array) and their lengths (``(n, 2)`` int64,
+        path then ident), all read under one hold of the lock: an entry handed on is the one whose key, stamp,
+        bound and ticket were checked, never one kept into the slot after the check (a slot expires, and another
+        key takes it). A few numpy steps, whatever the number of keys."""
+        n = len(keys)
+        if self.keys is None or not n:
+            return np.full(n, -1, np.int64), np.empty(n, object), np.zeros((n, 2), np.int64)
+        h = _hash(keys)
+        sets = self._set_of(h)
+        with self._lock:
+            # a key's slot, if any: the one of its hash in its set (a row of WAYS hashes), then checked; its
+            # integers gathered in one step, and its entry, so the checks below read copies, after the lock
+            slot = sets * WAYS + (self.hash.reshape(-1, WAYS)[sets] == h[:, None]).argmax(axis=1)
+            got = self.rec.take(slot, axis=0)
+            entries = self.entry.take(slot)
+        # a key of array 0 (never kept) matches no slot: a slot whose key is of array 0 was never kept into, and
+        # its "until" (0.0) is past; the key is refused here all the same (a step over a batch's keys, ~1 us:
+        # what serves a wrong entry must not rest on one invariant of keep)
+        ok = (got[:, :KEY_COLUMNS] == keys).all(axis=1) & (keys[:, 0] != 0) & (got[:, _STAMP] == stamps) & \
+            (got[:, _UNTIL].view(np.float64) > now) & (got[:, _TICKET] <= settled)
+        return np.where(ok, slot, -1), entries, got[:, _PATH_LEN:_IDENT_LEN + 1]
+
     def find(self, keys: np.ndarray, stamps: np.ndarray, settled: np.ndarray, now: float) -> np.ndarray:
         """The slot of each of ``keys`` (``(n, 4)`` int64) whose entry may be read now, else -1: the same key, kept
         under ``stamps`` (each key's store's number now: :meth:`stamp_of`), within its staleness bound at
         ``now`` and written (its ticket at most ``settled``, each key's disk cache's count). ``stamps`` and
         ``settled`` may each be one number, for keys all of one store. A few numpy steps."""
-        n = len(keys)
-        if self.keys is None or not n:
-            return np.full(n, -1, np.int64)
-        h = _hash(keys)
-        sets = (h & np.uint64(self.slots // WAYS - 1)).astype(np.intp)
-        with self._lock:
-            # a key's slot, if any: the one of its hash in its set (a row of WAYS hashes), then checked; its
-            # integers gathered in one step, so the checks below read copies, after the lock
-            slot = sets * WAYS + (self.hash.reshape(-1, WAYS)[sets] == h[:, None]).argmax(axis=1)
-            got = self.rec.take(slot, axis=0)
-            until = self.until.take(slot)
-        # a key of array 0 (never kept) matches no slot: a slot whose key is of array 0 was never kept into, and
-        # its "until" (0.0) is past; the key is refused here all the same (a step over a batch's keys, ~1 us:
-        # what serves a wrong entry must not rest on one invariant of keep)
-        ok = (got[:, :KEY_COLUMNS] == keys).all(axis=1) & (keys[:, 0] != 0) & (got[:, _STAMP] == stamps) & \
-            (until > now) & (got[:, _TICKET] <= settled)
-        return np.where(ok, slot, -1)
+        return self.lookup(keys, stamps, settled, now)[0]
 
     def entries(self, slots: np.ndarray) -> tuple[list[bytes], np.ndarray, np.ndarray]:
         """The entries at ``slots`` (found by :meth:`find`): each as its path and ident joined, and their lengths."""
@@ -162,7 +175,7 @@ class EntryTable:
         plens = np.fromiter(map(len, paths), np.int64, n)
         ilens = np.fromiter(map(len, idents), np.int64, n)
         hashes = _hash(keys)
-        base = (hashes & np.uint64(self.slots // WAYS - 1)).astype(np.int64) * WAYS
+        base = self._set_of(hashes).astype(np.int64) * WAYS
         ways = np.arange(WAYS)
         with self._lock:
             if self.keys is None:
@@ -171,7 +184,7 @@ class EntryTable:
                 self.stamp, self.ticket = self.rec[:, _STAMP], self.rec[:, _TICKET]
                 self.path_len, self.ident_len = self.rec[:, _PATH_LEN], self.rec[:, _IDENT_LEN]
                 self.hash = np.zeros(self.slots, np.uint64)
-                self.until = np.zeros(self.slots, np.float64)
+                self.until = self.rec[:, _UNTIL].view(np.float64)  # (0.0: every bit 0)
                 self.entry = np.empty(self.slots, object)
             live = self._live_numbers()
             todo = np.arange(n)

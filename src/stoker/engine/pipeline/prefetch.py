@@ -358,16 +358,14 @@ def revalidate_ahead(samples: Sequence[Any], reader_of: Callable[[str], Any],
                     boxed = chunks.get(box)
                     if boxed is not None and boxed[1] > now:
                         continue
+                if boxed is not None and boxed[0] is not None and fresh_until is not None:
+                    # its chunks' keys, kept when first seen (an epoch before, read since): the store says in one
+                    # look-up whether all are fresh now, the chunks' own record not consulted (nor its ranges made)
+                    until = fresh_until(boxed[0])
+                    if until > now:
+                        boxed[1] = until
+                        continue
                 spans = cells_touched(part.aabb, meta.shape, meta.chunk_shape)
-                if box is not None:
-                    if boxed is not None:
-                        if boxed[0] is not None and fresh_until is not None:
-                            # its chunks' keys, kept when first seen (an epoch before, read since): the store
-                            # says in one look-up whether all are fresh now, the chunks' own record not consulted
-                            until = fresh_until(boxed[0])
-                            if until > now:
-                                boxed[1] = until
-                                continue
                 keys = asks.setdefault(id(reader.kv), (revalidate, {}))[1]
                 soonest, whole = math.inf, True  # the box's chunks' earliest "until", and whether all are fresh
                 # its keys kept with it when first seen, for a box of at most BOX_KEYS chunks (the bound in memory)
