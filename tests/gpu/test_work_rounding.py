@@ -347,3 +347,29 @@ def test_a_plain_float64_beside_a_packed_array_is_rounded_once(tmp_path, executo
     padded = np.full((8, 12), 281.125003)
     padded[:6, :8] = stored[2:, 4:]
     assert torch.equal(got[1][1], torch.from_numpy(padded.astype(np.float16))), got[1][1]
+
+
+def test_a_float64_array_s_fill_values_stay_missing_in_an_f16_batch(tmp_path, executor, decode_path):
+    """A float64 array with a ``_FillValue`` read into "f16" is decoded in float32 work (float64 on the CPU
+    executor), its values compared with the fill after placing. Placed as their float16 (the rounding-once rule
+    of plain float64 values) -9999.0 became -10000.0 and matched no fill: on the CUDA, GPU-decode and hybrid
+    executors the stored fills, the chunk not stored and the padding came out as -10000.0, where xarray has NaN.
+    Its values keep their float32 now; a value whose float16 is the fill's (-10001.0) is a value, not missing."""
+    uri = str(tmp_path / "f.zarr")
+    data = (np.arange(np.prod(SHAPE)) * 0.25).reshape(SHAPE)
+    data[1, 1] = data[2, 5] = -9999.0
+    data[3, 3] = -10001.0
+    data[4:8, 8:12] = -9999.0  # that chunk (c/1/2) is not stored
+    z = zarr.create_array(uri, shape=SHAPE, chunks=CHUNKS, dtype="float64", fill_value=-9999.0)
+    z[:] = data
+    z.attrs.update({"_FillValue": -9999.0})
+    assert not os.path.exists(os.path.join(uri, "c", "1", "2"))
+    past = ((2, 10), (4, 16))  # 2 rows and 4 columns past the array: the fill there, decoded to NaN
+    got = _batches(_cfg(), [stoker.Sample(uri, ((0, 8), (0, 12))), stoker.Sample(uri, past, pad="fill")])
+    stored = zarr.open_array(uri, mode="r")[:]
+    want = np.where(stored == -9999.0, np.nan, stored).astype(np.float16)  # xarray's decoding, as float16
+    assert np.array_equal(got[0][0].numpy(), want, equal_nan=True), got[0][0]
+    assert float(got[0][0][3, 3]) == -10000.0
+    padded = np.full((8, 12), np.nan)
+    padded[:6, :8] = want[2:, 4:]
+    assert np.array_equal(got[0][1].numpy(), padded.astype(np.float16), equal_nan=True), got[0][1]

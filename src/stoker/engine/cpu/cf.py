@@ -204,6 +204,17 @@ def masks_wide(reader: ArrayReader) -> bool:
     return code is not None and bool(code.fills) and _wide(reader.dtype)
 
 
+def rounds_once(reader: ArrayReader, half_next: bool) -> bool:
+    """Whether ``reader``'s float64 values (and fill value) go into a float32 work slot rounded into float16 next
+    (``half_next``, :attr:`~stoker.engine.executor.Job.half_next`) as :func:`~stoker.engine.cast.half_exact`
+    says, so that batch holds their one rounding: every array but one with fill values float32 does not hold
+    exactly (:func:`masks_wide`), whose values are compared with its fills after placing (in float32 on the
+    executors without float64 work): pre-rounded, -9999.0 became -10000.0 and no longer matched its fill
+    (-9999.0), so missing values came out as numbers. Such an array keeps its float32 rounding (rounded twice
+    into ``"f16"``, one float16 step off at some ties; ``device="cpu"`` decodes it in float64, rounded once)."""
+    return half_next and not masks_wide(reader)
+
+
 def check_output(readers: Sequence[ArrayReader], dtype: torch.dtype, work: torch.dtype, cf: bool,
                  exact: bool = False) -> None:
     """DtypeMismatch when arrays with CF attributes would be read into a batch that cannot hold decoded values

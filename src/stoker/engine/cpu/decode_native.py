@@ -49,6 +49,7 @@ from ...runtime.memo import remember
 from ...runtime.schedstat import run_times
 from ...runtime.workers import no_thread, start_thread
 from . import native
+from .cf import rounds_once
 from ...errors import DecodeError, InternalError, OutOfMemory, StorageError, pipeline_closed
 from ...storage.local import not_regular
 from ..cast import fill_value_as, range_error, torch_dtype_of, unfit_range
@@ -634,7 +635,7 @@ class NativeDecoder:
         key = (tuple(map(id, readers)), dtype, kind, half_next)  # a kept set holds its readers: their ids stay
         held = self._sets.get(key)
         if held is None:  # many arrays (batches of random ones) rarely repeat a set: a few kept
-            kinds = [None if half_next and _float64(r) else kind for r in readers]
+            kinds = [None if _float64(r) and rounds_once(r, half_next) else kind for r in readers]
             held = remember(self._sets, key, _SourceSet(readers, [self._source(r, dtype, k)
                                                                   for r, k in zip(readers, kinds)]), 256)
         return held

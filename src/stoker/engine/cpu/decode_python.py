@@ -39,6 +39,7 @@ from ...runtime.faults import Fault
 from ...runtime.workers import DaemonPool
 from ...zarr.codecs import blosc
 from . import native
+from .cf import rounds_once
 from ..buffers import Cancelled, Reservation, TransientBudget, size_class
 from ..cast import check_fill, copy_cast, fill_value_as, range_error, unfit_range
 from ..executor import Job
@@ -204,7 +205,8 @@ class PythonDecoder:
         for cid in chunk_ids:
             task = plan.chunks[cid]
             if task.source not in fills:
-                fills[task.source] = fill_value_as(plan.sources[task.source].metadata.fill_value, job.out.dtype, job.half_next)
+                fills[task.source] = fill_value_as(plan.sources[task.source].metadata.fill_value, job.out.dtype,
+                                                   rounds_once(plan.sources[task.source], job.half_next))
             self.run(self.guard, job, 1, self._fill, job, task, fills[task.source])
 
     def submit_reads(self, job: Job, reads: list[FileRead]) -> None:
@@ -437,7 +439,8 @@ class PythonDecoder:
         for cid, task in tasks:
             if task.path is None:  # empty in the new shard, or the shard is gone
                 self.guard(job, 1, self._fill, job, task,
-                           fill_value_as(plan.sources[task.source].metadata.fill_value, job.out.dtype, job.half_next))
+                           fill_value_as(plan.sources[task.source].metadata.fill_value, job.out.dtype,
+                                         rounds_once(plan.sources[task.source], job.half_next)))
             else:
                 again.append((cid, task))
 
@@ -460,7 +463,8 @@ class PythonDecoder:
             if data is None:  # a missing chunk is the fill value
                 res.done()
                 self.guard(job, 1, self._fill, job, task,
-                           fill_value_as(plan.sources[task.source].metadata.fill_value, job.out.dtype, job.half_next))
+                           fill_value_as(plan.sources[task.source].metadata.fill_value, job.out.dtype,
+                                         rounds_once(plan.sources[task.source], job.half_next)))
                 continue
             try:
                 self._compute.submit(self._guard_decode, job, task, memoryview(data), res, None, True)
@@ -556,7 +560,8 @@ class PythonDecoder:
                 task = chunks[0]
                 f = self.store.open_file(fr.path)
                 if f is None:  # an absent chunk file is the fill value
-                    fill = fill_value_as(plan.sources[task.source].metadata.fill_value, job.out.dtype, job.half_next)
+                    fill = fill_value_as(plan.sources[task.source].metadata.fill_value, job.out.dtype,
+                                         rounds_once(plan.sources[task.source], job.half_next))
                     res.done()
                     self._fill(job, task, fill)
                     return
@@ -623,7 +628,8 @@ class PythonDecoder:
             task.path, task.offset, task.length, task.ident = loc.path, loc.offset, loc.length, loc.ident
         for cid, task in zip(fr.chunk_ids, tasks):
             if task.path is None:  # empty in the new shard, or the shard is gone
-                self.guard(job, 1, self._fill, job, task, fill_value_as(reader.metadata.fill_value, job.out.dtype, job.half_next))
+                self.guard(job, 1, self._fill, job, task,
+                           fill_value_as(reader.metadata.fill_value, job.out.dtype, rounds_once(reader, job.half_next)))
             else:
                 self.guard(job, 1, self.read_file, job, FileRead.inner_chunk(task.path, cid, task.offset, task.length),
                            on_compute, True)
@@ -677,13 +683,14 @@ class PythonDecoder:
         """Cast every copy of ``task`` from its decoded ``chunk`` into the batch (the Python path's cast); a value
         a copy reads that does not fit an integer batch fails the chunk (as the engine's ST_RANGE does)."""
         out = job.out if job.out_np is None else job.out_np
+        half = rounds_once(job.plan.sources[task.source], job.half_next)
         for c in task.copies:
             src = chunk[c.chunk_sel]
             span = unfit_range(src, job.out.dtype)
             if span is not None:
                 reader = job.plan.sources[task.source]
                 raise range_error(reader.uri, task.key, reader.metadata.codec.dtype, job.out.dtype, span)
-            copy_cast(out[c.dst], src, job.half_next)
+            copy_cast(out[c.dst], src, half)
 
     def _guard_decode(self, job: Job, task: ChunkTask, encoded: memoryview, res: Reservation,
                       read_end: int | None = None, check: bool = False) -> None:

@@ -19,6 +19,7 @@ import torch
 from ...errors import DeviceError
 from ...reader.array import ChunkLocation, fetch_stored
 from ..cast import copy_cast, numpy_view, range_error, unfit_range
+from ..cpu.cf import rounds_once
 from ..planning.tables import TablePlan, file_ident
 
 
@@ -39,18 +40,18 @@ def cpu_decode(plan: TablePlan, cid: int, data: Any, dtype: torch.dtype, stats, 
                half_next: bool = False) -> np.ndarray:
     """Chunk ``cid`` decoded by its codec on the CPU and cast into ``dtype`` (the CPU path's rules; ``half_next``:
     float32 rounded into float16 next, :func:`~stoker.engine.cast.copy_cast`'s), as bytes in C order."""
-    codec = plan.sources[int(plan.chunk_source[cid])].metadata.codec
+    reader = plan.sources[int(plan.chunk_source[cid])]
+    codec = reader.metadata.codec
     key = plan.key(cid)
     codec.check_stored_size(len(data), key)
     t0 = time.perf_counter()
     chunk = codec.decode(data, key)
     span = unfit_range(chunk, dtype)  # the whole chunk is cast here: any value of it that does not fit fails it
     if span is not None:
-        reader = plan.sources[int(plan.chunk_source[cid])]
         raise range_error(reader.uri, key, codec.dtype, dtype, span)
     out = torch.empty(codec.shape, dtype=dtype)
     view = numpy_view(out)
-    copy_cast(view if view is not None else out, chunk, half_next)
+    copy_cast(view if view is not None else out, chunk, rounds_once(reader, half_next))
     stats.chunk(time.perf_counter() - t0, 0.0, len(data), codec.nbytes)
     counts["bytes_decoded"] += codec.nbytes
     counts["chunks_decoded"] += 1

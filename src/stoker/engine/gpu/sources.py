@@ -18,6 +18,7 @@ import torch
 from ...zarr.grid import c_strides
 from ...errors import DtypeMismatch, NotYetSupported
 from ..cast import fill_value_as, torch_dtype_of, unfit_range
+from ..cpu.cf import rounds_once
 
 ZSTD, BLOSC, CPU = 1, 2, 3  # how a source's chunks are decoded
 _CARRIERS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -99,7 +100,8 @@ def describe(reader, work: torch.dtype, half_next: bool = False) -> Source:
             "and the GPU decode fills missing chunks with it; use a wider dtype "
             f"({'f32' if work.is_floating_point else 'i64'!r} or 'native'), or "
             "Config(decode_on='cpu'), which fails only where a missing chunk is read", uri=reader.uri)
-    fill = int(fill_value_as(reader.metadata.fill_value, work, half_next).view(carrier(work)).item())
+    fill = int(fill_value_as(reader.metadata.fill_value, work, rounds_once(reader, half_next)).view(
+        carrier(work)).item())
     return Source(how, why, element, aligned(nbytes), codec.max_stored_nbytes if how != CPU else nbytes,
                   np.array(c_strides(tuple(codec.shape)), np.int64), fill)
 

@@ -131,6 +131,8 @@ def fill_padding(pads: Sequence[PadCrop], sources: Sequence[Any], out: torch.Ten
     ``missing_value``) is that stored value, decoded to NaN, whatever the Zarr ``fill_value`` (xarray writes
     a v3 array's as 0: decoded, a plausible ``add_offset``). ``half_next``: ``out`` is float32 rounded into
     float16 next (a float64 fill value goes in as :func:`~stoker.engine.cast.half_exact` says)."""
+    from ..cpu.cf import rounds_once  # (here: cf's imports reach the samplers, which import this module)
+
     carrier = _CARRIERS.get(out.dtype.itemsize) if out.dtype != torch.bool else torch.uint8
     flat = out.view(carrier) if carrier is not None else out
     device = out.device
@@ -151,7 +153,7 @@ def fill_padding(pads: Sequence[PadCrop], sources: Sequence[Any], out: torch.Ten
                     fill = torch.tensor(missing, dtype=out.dtype)
                 else:
                     check_fill(reader, out.dtype, "<padding: the array's fill value>")  # never a wrapped value
-                    fill = fill_value_as(reader.metadata.fill_value, out.dtype, half_next)
+                    fill = fill_value_as(reader.metadata.fill_value, out.dtype, rounds_once(reader, half_next))
                 value = fills[pc.source] = (fill.view(carrier) if carrier is not None else fill).item()
             view.index_fill_(fix.axis, dst, value)
 
