@@ -81,6 +81,26 @@ def test_map_batch_keeps_types_and_reaches_every_leaf():
     assert torch.equal(batch["x"], torch.zeros(2))  # input untouched
 
 
+def test_map_batch_reaches_tensors_in_deques_sets_and_defaultdicts():
+    """Regression: a deque (a history of frames) or a set of tensors came back unmoved and unpinned, with no
+    error, and a defaultdict lost its default_factory (it came back a plain dict)."""
+    from collections import defaultdict, deque
+
+    frames = deque([torch.zeros(1), torch.zeros(2)], maxlen=4)
+    by_key = defaultdict(list, k=[torch.zeros(3)])
+    batch = {"frames": frames, "ids": {torch.zeros(4)}, "frozen": frozenset([torch.zeros(5)]), "by_key": by_key}
+    seen, leaf = _recording()
+    out = pin.map_batch(batch, leaf)
+    assert isinstance(out["frames"], deque) and out["frames"].maxlen == 4
+    assert [t.tolist() for t in out["frames"]] == [[1.0], [1.0, 1.0]]
+    assert isinstance(out["ids"], set) and [t.tolist() for t in out["ids"]] == [[1.0] * 4]
+    assert isinstance(out["frozen"], frozenset) and [t.tolist() for t in out["frozen"]] == [[1.0] * 5]
+    assert isinstance(out["by_key"], defaultdict) and out["by_key"].default_factory is list
+    assert out["by_key"]["k"][0].tolist() == [1.0] * 3
+    assert len(seen) == 5
+    assert sorted(t.numel() for t in pin.tensors_in(batch)) == [1, 2, 3, 4, 5]  # record_stream reaches them too
+
+
 def test_unknown_leaf_with_array_data_names_its_path():
     batch = {"streams": [torch.zeros(1), torch.zeros(1), Opaque()]}
     with pytest.raises(TypeError, match=r"batch\['streams'\]\[2\]\.coords") as info:

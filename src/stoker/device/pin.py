@@ -15,9 +15,11 @@ the consumer.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import threading
 import warnings
+from collections import defaultdict, deque
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator, Protocol, TypeVar, cast, runtime_checkable
 
@@ -54,7 +56,7 @@ def _find_array_leaf(obj: Any, path: str, depth: int = 0) -> str | None:
         return None
     if isinstance(obj, Mapping):
         items = [(f"{path}[{k!r}]", v) for k, v in obj.items()]
-    elif isinstance(obj, (list, tuple)):
+    elif isinstance(obj, (list, tuple, deque, set, frozenset)):
         items = [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
     else:
         attrs = dict(getattr(obj, "__dict__", {}))
@@ -73,7 +75,8 @@ def map_batch(obj: Any, leaf: Callable[[torch.Tensor, str], torch.Tensor], path:
               hook: Callable[[Any], Any] | None = None, remedy: str = "pin_memory()") -> Any:
     """Rebuild ``obj`` with ``leaf(tensor, path)`` applied to every tensor (numpy arrays become tensors).
 
-    Containers keep their types: dicts, lists, tuples, namedtuples, dataclasses
+    Containers keep their types: dicts (a defaultdict its default_factory), lists,
+    tuples, namedtuples, deques (their maxlen), sets, frozensets, dataclasses
     (fields replaced, type kept). ``hook(obj)`` lets an object handle itself (e.g.
     call its own ``pin_memory()``, the :class:`Pinnable` protocol); it returns
     ``NotImplemented`` for objects it does not apply to. Scalars and strings pass
@@ -100,6 +103,11 @@ def map_batch(obj: Any, leaf: Callable[[torch.Tensor, str], torch.Tensor], path:
         items = {k: walk(v, f"{path}[{k!r}]") for k, v in obj.items()}
         if type(obj) is dict:
             return items
+        if isinstance(obj, defaultdict):  # its constructor takes the factory first: a dict alone is refused
+            kept = copy.copy(obj)
+            kept.clear()
+            kept.update(items)
+            return kept
         try:
             rebuilt = cast(Any, type(obj))(items)  # a Mapping subclass built from a dict, when it can be
         except TypeError:
@@ -111,6 +119,10 @@ def map_batch(obj: Any, leaf: Callable[[torch.Tensor, str], torch.Tensor], path:
         return type(obj)(*(walk(v, f"{path}.{f}") for f, v in zip(obj._fields, obj)))
     if isinstance(obj, (list, tuple)):
         return type(obj)(walk(v, f"{path}[{i}]") for i, v in enumerate(obj))
+    if isinstance(obj, deque):  # a history of frames: neither list nor tuple, so it was passed over unmoved
+        return type(obj)((walk(v, f"{path}[{i}]") for i, v in enumerate(obj)), obj.maxlen)
+    if isinstance(obj, (set, frozenset)):
+        return type(obj)(walk(v, f"{path}{{{i}}}") for i, v in enumerate(obj))
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         init = {f.name: walk(getattr(obj, f.name), f"{path}.{f.name}") for f in dataclasses.fields(obj) if f.init}
         new = dataclasses.replace(obj, **init)
@@ -152,7 +164,7 @@ def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
         walked[id(obj)] = in_objects
         if isinstance(obj, Mapping):
             values = list(obj.values())
-        elif isinstance(obj, (list, tuple)):
+        elif isinstance(obj, (list, tuple, deque, set, frozenset)):
             values = list(obj)
         elif in_objects < _MAX_OBJECT_DEPTH:
             in_objects += 1
