@@ -101,6 +101,30 @@ def test_map_batch_reaches_tensors_in_deques_sets_and_defaultdicts():
     assert sorted(t.numel() for t in pin.tensors_in(batch)) == [1, 2, 3, 4, 5]  # record_stream reaches them too
 
 
+class _Meta(dict):
+    """A dict batch whose constructor needs more than its items."""
+
+    def __init__(self, items, meta):
+        super().__init__(items)
+        self.meta = meta
+
+
+def test_map_batch_moves_user_dicts_and_keeps_dict_subclasses():
+    """Regression: a UserDict came back holding its old, unmoved tensors (the copy of its attributes put the
+    input's ``data`` back over the moved items), and a dict subclass whose constructor takes more than the
+    items came back a plain dict without its attributes: both silently."""
+    from collections import UserDict
+
+    user = UserDict(x=torch.zeros(2))
+    meta = _Meta({"x": torch.zeros(1)}, meta="tile 3")
+    seen, leaf = _recording()
+    out = pin.map_batch({"user": user, "meta": meta}, leaf)
+    assert isinstance(out["user"], UserDict) and out["user"]["x"].tolist() == [1.0, 1.0]
+    assert out["user"].data is not user.data and user["x"].tolist() == [0.0, 0.0]
+    assert type(out["meta"]) is _Meta and out["meta"].meta == "tile 3" and out["meta"]["x"].tolist() == [1.0]
+    assert len(seen) == 2
+
+
 def test_unknown_leaf_with_array_data_names_its_path():
     batch = {"streams": [torch.zeros(1), torch.zeros(1), Opaque()]}
     with pytest.raises(TypeError, match=r"batch\['streams'\]\[2\]\.coords") as info:

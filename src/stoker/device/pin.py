@@ -19,7 +19,7 @@ import copy
 import dataclasses
 import threading
 import warnings
-from collections import defaultdict, deque
+from collections import deque
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator, Protocol, TypeVar, cast, runtime_checkable
 
@@ -75,7 +75,7 @@ def map_batch(obj: Any, leaf: Callable[[torch.Tensor, str], torch.Tensor], path:
               hook: Callable[[Any], Any] | None = None, remedy: str = "pin_memory()") -> Any:
     """Rebuild ``obj`` with ``leaf(tensor, path)`` applied to every tensor (numpy arrays become tensors).
 
-    Containers keep their types: dicts (a defaultdict its default_factory), lists,
+    Containers keep their types: dicts (a subclass its attributes, a defaultdict its default_factory), lists,
     tuples, namedtuples, deques (their maxlen), sets, frozensets, dataclasses
     (fields replaced, type kept). ``hook(obj)`` lets an object handle itself (e.g.
     call its own ``pin_memory()``, the :class:`Pinnable` protocol); it returns
@@ -103,18 +103,7 @@ def map_batch(obj: Any, leaf: Callable[[torch.Tensor, str], torch.Tensor], path:
         items = {k: walk(v, f"{path}[{k!r}]") for k, v in obj.items()}
         if type(obj) is dict:
             return items
-        if isinstance(obj, defaultdict):  # its constructor takes the factory first: a dict alone is refused
-            kept = copy.copy(obj)
-            kept.clear()
-            kept.update(items)
-            return kept
-        try:
-            rebuilt = cast(Any, type(obj))(items)  # a Mapping subclass built from a dict, when it can be
-        except TypeError:
-            return items
-        if hasattr(obj, "__dict__") and hasattr(rebuilt, "__dict__"):
-            rebuilt.__dict__.update(obj.__dict__)  # its own attributes too (a RecordBatch's num_samples)
-        return rebuilt
+        return _rebuilt_mapping(obj, items)
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
         return type(obj)(*(walk(v, f"{path}.{f}") for f, v in zip(obj._fields, obj)))
     if isinstance(obj, (list, tuple)):
@@ -137,6 +126,41 @@ def map_batch(obj: Any, leaf: Callable[[torch.Tensor, str], torch.Tensor], path:
             f"reach): implement {remedy} on {type(obj).__name__} (see stoker.device.pin.Pinnable) or make it a dataclass"
         )
     return obj
+
+
+def _rebuilt_mapping(obj: Mapping, items: dict) -> Any:
+    """``obj``'s type holding ``items`` (its values mapped), with ``obj``'s own attributes (a RecordBatch's
+    ``num_samples``), else a plain dict of them.
+
+    Built from the items where the constructor takes them; an attribute that would put other items back
+    (a UserDict's ``data``: the input's, unmoved) is not copied. A dict subclass whose constructor wants
+    more (a defaultdict's factory, a batch class's own arguments) is copied and its items replaced; a
+    copy's storage is its own only for a dict, so another mapping is never filled through a shared one.
+    """
+    def holds_items(m: Any) -> bool:
+        return len(m) == len(items) and all(k in m and m[k] is v for k, v in items.items())
+
+    try:
+        rebuilt = cast(Any, type(obj))(items)
+    except TypeError:
+        if not isinstance(obj, dict):
+            return items
+        rebuilt = copy.copy(obj)
+        rebuilt.update(items)
+        return rebuilt if holds_items(rebuilt) else items
+    if hasattr(obj, "__dict__") and hasattr(rebuilt, "__dict__"):
+        for name, value in obj.__dict__.items():
+            had = rebuilt.__dict__.get(name, _MISSING)
+            rebuilt.__dict__[name] = value
+            if not holds_items(rebuilt):  # the attribute was the items' storage: keep the rebuilt one
+                if had is _MISSING:
+                    del rebuilt.__dict__[name]
+                else:
+                    rebuilt.__dict__[name] = had
+    return rebuilt if holds_items(rebuilt) else items
+
+
+_MISSING = object()
 
 
 def _method_hook(name: str, *args: Any, **kwargs: Any) -> Callable[[Any], Any]:
