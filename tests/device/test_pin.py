@@ -125,6 +125,17 @@ def test_map_batch_moves_user_dicts_and_keeps_dict_subclasses():
     assert len(seen) == 2
 
 
+def test_map_batch_keeps_numpy_scalars_shapes_and_reads_big_endian_arrays():
+    """Regression: a 0-d numpy array (a per-batch loss weight) became a tensor of shape (1,), silently
+    changing how it broadcasts and stacks; a big-endian array (as zarr v2 stores '>i4') raised torch's
+    ValueError about byte orders instead of being moved."""
+    big = np.arange(6, dtype=">i4").reshape(2, 3)
+    out = pin.to_device({"w": np.array(0.5), "flag": np.array(True), "ids": big}, torch.device("cpu"))
+    assert out["w"].shape == () and out["w"].item() == 0.5
+    assert out["flag"].shape == () and out["flag"].dtype == torch.bool
+    assert out["ids"].dtype == torch.int32 and out["ids"].tolist() == big.tolist()
+
+
 def test_unknown_leaf_with_array_data_names_its_path():
     batch = {"streams": [torch.zeros(1), torch.zeros(1), Opaque()]}
     with pytest.raises(TypeError, match=r"batch\['streams'\]\[2\]\.coords") as info:

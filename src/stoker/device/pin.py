@@ -88,7 +88,9 @@ def map_batch(obj: Any, leaf: Callable[[torch.Tensor, str], torch.Tensor], path:
     if isinstance(obj, np.ndarray):
         if obj.dtype.hasobject or obj.dtype.kind in "USV":
             raise TypeError(f"cannot move {path}: numpy array of {obj.dtype} holds no numeric data")
-        return leaf(torch.from_numpy(np.ascontiguousarray(obj)), path)
+        # C order in the native byte order (torch refuses a big-endian array, as zarr v2 stores '>i4'); not
+        # np.ascontiguousarray, which makes a 0-d array (a per-batch weight) one of shape (1,)
+        return leaf(torch.from_numpy(np.asarray(obj, dtype=obj.dtype.newbyteorder("="), order="C")), path)
     if isinstance(obj, _SCALARS):
         return obj
     if hook is not None and not isinstance(obj, (Mapping, list, tuple)):
