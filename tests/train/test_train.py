@@ -337,6 +337,14 @@ def test_samples_of_a_dataclass_batch_are_its_first_tensors_rows():
     assert r.samples == 12
 
 
+def test_samples_of_a_nested_batch_are_its_first_tensors_rows():
+    """Regression: a dict whose values are dicts or lists of tensors (inputs of a multi-input model) held no
+    tensor directly and was counted as one sample a step."""
+    batches = [{"inputs": {"x": b}, "frames": [b]} for b in jobs.global_batches(3, 4)]
+    r = _trainer(loss_fn=lambda model, b: jobs.mse(model, b["inputs"]["x"])).fit(batches, steps=3, resume=None)
+    assert r.samples == 12
+
+
 def test_trainer_arguments_are_checked():
     with pytest.raises(InvalidArgument, match="amp"):
         _trainer(amp="int8")

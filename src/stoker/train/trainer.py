@@ -130,9 +130,14 @@ def _batch_len(batch: Any) -> int:
         [getattr(batch, f.name, None) for f in dataclasses.fields(batch)] \
         if dataclasses.is_dataclass(batch) and not isinstance(batch, type) else None
     if values is not None:
+        values = list(values)
         for value in values:
             if isinstance(value, torch.Tensor):
                 return int(value.shape[0]) if value.dim() else 1
+        for value in values:  # no tensor of its own: the first container's ({"inputs": {...}}, a list of frames)
+            if isinstance(value, (Mapping, list, tuple)) or (dataclasses.is_dataclass(value)
+                                                             and not isinstance(value, type)):
+                return _batch_len(value)
     if isinstance(batch, (list, tuple)) and batch:
         return _batch_len(batch[0])
     return 1
