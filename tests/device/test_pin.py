@@ -81,6 +81,61 @@ def test_map_batch_keeps_types_and_reaches_every_leaf():
     assert torch.equal(batch["x"], torch.zeros(2))  # input untouched
 
 
+def test_map_batch_reaches_tensors_in_deques_sets_and_defaultdicts():
+    """Regression: a deque (a history of frames) or a set of tensors came back unmoved and unpinned, with no
+    error, and a defaultdict lost its default_factory (it came back a plain dict)."""
+    from collections import defaultdict, deque
+
+    frames = deque([torch.zeros(1), torch.zeros(2)], maxlen=4)
+    by_key = defaultdict(list, k=[torch.zeros(3)])
+    batch = {"frames": frames, "ids": {torch.zeros(4)}, "frozen": frozenset([torch.zeros(5)]), "by_key": by_key}
+    seen, leaf = _recording()
+    out = pin.map_batch(batch, leaf)
+    assert isinstance(out["frames"], deque) and out["frames"].maxlen == 4
+    assert [t.tolist() for t in out["frames"]] == [[1.0], [1.0, 1.0]]
+    assert isinstance(out["ids"], set) and [t.tolist() for t in out["ids"]] == [[1.0] * 4]
+    assert isinstance(out["frozen"], frozenset) and [t.tolist() for t in out["frozen"]] == [[1.0] * 5]
+    assert isinstance(out["by_key"], defaultdict) and out["by_key"].default_factory is list
+    assert out["by_key"]["k"][0].tolist() == [1.0] * 3
+    assert len(seen) == 5
+    assert sorted(t.numel() for t in pin.tensors_in(batch)) == [1, 2, 3, 4, 5]  # record_stream reaches them too
+
+
+class _Meta(dict):
+    """A dict batch whose constructor needs more than its items."""
+
+    def __init__(self, items, meta):
+        super().__init__(items)
+        self.meta = meta
+
+
+def test_map_batch_moves_user_dicts_and_keeps_dict_subclasses():
+    """Regression: a UserDict came back holding its old, unmoved tensors (the copy of its attributes put the
+    input's ``data`` back over the moved items), and a dict subclass whose constructor takes more than the
+    items came back a plain dict without its attributes: both silently."""
+    from collections import UserDict
+
+    user = UserDict(x=torch.zeros(2))
+    meta = _Meta({"x": torch.zeros(1)}, meta="tile 3")
+    seen, leaf = _recording()
+    out = pin.map_batch({"user": user, "meta": meta}, leaf)
+    assert isinstance(out["user"], UserDict) and out["user"]["x"].tolist() == [1.0, 1.0]
+    assert out["user"].data is not user.data and user["x"].tolist() == [0.0, 0.0]
+    assert type(out["meta"]) is _Meta and out["meta"].meta == "tile 3" and out["meta"]["x"].tolist() == [1.0]
+    assert len(seen) == 2
+
+
+def test_map_batch_keeps_numpy_scalars_shapes_and_reads_big_endian_arrays():
+    """Regression: a 0-d numpy array (a per-batch loss weight) became a tensor of shape (1,), silently
+    changing how it broadcasts and stacks; a big-endian array (as zarr v2 stores '>i4') raised torch's
+    ValueError about byte orders instead of being moved."""
+    big = np.arange(6, dtype=">i4").reshape(2, 3)
+    out = pin.to_device({"w": np.array(0.5), "flag": np.array(True), "ids": big}, torch.device("cpu"))
+    assert out["w"].shape == () and out["w"].item() == 0.5
+    assert out["flag"].shape == () and out["flag"].dtype == torch.bool
+    assert out["ids"].dtype == torch.int32 and out["ids"].tolist() == big.tolist()
+
+
 def test_unknown_leaf_with_array_data_names_its_path():
     batch = {"streams": [torch.zeros(1), torch.zeros(1), Opaque()]}
     with pytest.raises(TypeError, match=r"batch\['streams'\]\[2\]\.coords") as info:

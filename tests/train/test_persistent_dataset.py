@@ -219,6 +219,37 @@ def test_an_array_rewritten_between_epochs_is_read_as_it_is_now(tmp_path, decode
         assert ds._kept[0] is kept  # one pipeline throughout
 
 
+def test_a_zip_archive_replaced_between_epochs_is_read_as_it_is_now(tmp_path):
+    """Regression: a zip archive replaced between two epochs (a new archive renamed over it, as docs/remote.md
+    says to replace one) was read by the kept pipeline through the old archive's open file: every crop of the
+    next epoch silently the old data, where a new pipeline and zarr-python read the new archive."""
+    import zipfile
+
+    archive, folder = str(tmp_path / "d.zip"), str(tmp_path / "tree")
+
+    def write(seed, chunks):
+        z = zarr.create_array(os.path.join(folder, "v.zarr"), shape=(16, 48, 48), chunks=chunks, dtype="int16",
+                              overwrite=True)
+        z[:] = np.random.default_rng(seed).integers(-3000, 3000, z.shape, dtype=np.int16)
+        with zipfile.ZipFile(archive + ".tmp", "w") as zf:
+            for root, _, files in os.walk(folder):
+                for f in files:
+                    zf.write(os.path.join(root, f), os.path.relpath(os.path.join(root, f), folder))
+        os.replace(archive + ".tmp", archive)
+        return z[:]
+
+    data = write(0, (4, 16, 16))
+    source = stoker.RandomCrops([archive + "/v.zarr"], (4, 8, 8), seed=3, samples_per_epoch=24)
+    with stoker.CropDataset(source.for_rank(0, 1), _cfg(), copy=True, persistent=True, with_samples=True) as ds:
+        for epoch in range(3):
+            for samples, x in DataLoader(ds, batch_size=None):
+                want = np.stack([data[tuple(slice(*ax) for ax in s.aabb)] for s in samples]).astype("f4")
+                assert np.array_equal(x.numpy(), want), f"epoch {epoch}"
+            kept = ds._kept[0]
+            data = write(epoch + 1, [(4, 16, 16), (8, 8, 16), (8, 8, 16)][epoch])  # same layout, then another
+        assert ds._kept[0] is kept  # one pipeline throughout
+
+
 def test_a_grid_read_epoch_after_epoch_in_one_pipeline_covers_every_tile(tmp_path):
     """A TileGrid's epochs (their last short batch kept, read ahead) in the one pipeline kept: every tile once
     an epoch, in the grid's order, each equal to zarr-python's read; none skipped or carried into the next."""

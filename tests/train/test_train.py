@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -319,6 +320,29 @@ def test_telemetry_records_loss_times_and_memory(tmp_path):
     assert [rec["samples"] for rec in records] == [8, 16, 24] and all(rec["samples_per_s"] > 0 for rec in records)
     assert records[-1]["loss"] == pytest.approx(r.losses[6])
     assert r.samples == 24 and r.samples_per_s > 0 and 0 <= r.data_wait_fraction < 1
+
+
+@dataclasses.dataclass
+class _Crops:
+    """A custom batch type: a dataclass of tensors (what persona scripts hand the Trainer)."""
+
+    x: torch.Tensor
+
+
+def test_samples_of_a_dataclass_batch_are_its_first_tensors_rows():
+    """Regression: a dataclass batch was counted as one sample a step (neither tensor, mapping nor sequence),
+    so samples and samples/s were B times too small, silently."""
+    batches = [_Crops(b) for b in jobs.global_batches(3, 4)]
+    r = _trainer(loss_fn=lambda model, b: jobs.mse(model, b.x)).fit(batches, steps=3, resume=None)
+    assert r.samples == 12
+
+
+def test_samples_of_a_nested_batch_are_its_first_tensors_rows():
+    """Regression: a dict whose values are dicts or lists of tensors (inputs of a multi-input model) held no
+    tensor directly and was counted as one sample a step."""
+    batches = [{"inputs": {"x": b}, "frames": [b]} for b in jobs.global_batches(3, 4)]
+    r = _trainer(loss_fn=lambda model, b: jobs.mse(model, b["inputs"]["x"])).fit(batches, steps=3, resume=None)
+    assert r.samples == 12
 
 
 def test_trainer_arguments_are_checked():

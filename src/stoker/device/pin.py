@@ -15,9 +15,11 @@ the consumer.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import threading
 import warnings
+from collections import deque
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator, Protocol, TypeVar, cast, runtime_checkable
 
@@ -54,7 +56,7 @@ def _find_array_leaf(obj: Any, path: str, depth: int = 0) -> str | None:
         return None
     if isinstance(obj, Mapping):
         items = [(f"{path}[{k!r}]", v) for k, v in obj.items()]
-    elif isinstance(obj, (list, tuple)):
+    elif isinstance(obj, (list, tuple, deque, set, frozenset)):
         items = [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
     else:
         attrs = dict(getattr(obj, "__dict__", {}))
@@ -73,7 +75,8 @@ def map_batch(obj: Any, leaf: Callable[[torch.Tensor, str], torch.Tensor], path:
               hook: Callable[[Any], Any] | None = None, remedy: str = "pin_memory()") -> Any:
     """Rebuild ``obj`` with ``leaf(tensor, path)`` applied to every tensor (numpy arrays become tensors).
 
-    Containers keep their types: dicts, lists, tuples, namedtuples, dataclasses
+    Containers keep their types: dicts (a subclass its attributes, a defaultdict its default_factory), lists,
+    tuples, namedtuples, deques (their maxlen), sets, frozensets, dataclasses
     (fields replaced, type kept). ``hook(obj)`` lets an object handle itself (e.g.
     call its own ``pin_memory()``, the :class:`Pinnable` protocol); it returns
     ``NotImplemented`` for objects it does not apply to. Scalars and strings pass
@@ -85,7 +88,9 @@ def map_batch(obj: Any, leaf: Callable[[torch.Tensor, str], torch.Tensor], path:
     if isinstance(obj, np.ndarray):
         if obj.dtype.hasobject or obj.dtype.kind in "USV":
             raise TypeError(f"cannot move {path}: numpy array of {obj.dtype} holds no numeric data")
-        return leaf(torch.from_numpy(np.ascontiguousarray(obj)), path)
+        # C order in the native byte order (torch refuses a big-endian array, as zarr v2 stores '>i4'); not
+        # np.ascontiguousarray, which makes a 0-d array (a per-batch weight) one of shape (1,)
+        return leaf(torch.from_numpy(np.asarray(obj, dtype=obj.dtype.newbyteorder("="), order="C")), path)
     if isinstance(obj, _SCALARS):
         return obj
     if hook is not None and not isinstance(obj, (Mapping, list, tuple)):
@@ -100,17 +105,15 @@ def map_batch(obj: Any, leaf: Callable[[torch.Tensor, str], torch.Tensor], path:
         items = {k: walk(v, f"{path}[{k!r}]") for k, v in obj.items()}
         if type(obj) is dict:
             return items
-        try:
-            rebuilt = cast(Any, type(obj))(items)  # a Mapping subclass built from a dict, when it can be
-        except TypeError:
-            return items
-        if hasattr(obj, "__dict__") and hasattr(rebuilt, "__dict__"):
-            rebuilt.__dict__.update(obj.__dict__)  # its own attributes too (a RecordBatch's num_samples)
-        return rebuilt
+        return _rebuilt_mapping(obj, items)
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
         return type(obj)(*(walk(v, f"{path}.{f}") for f, v in zip(obj._fields, obj)))
     if isinstance(obj, (list, tuple)):
         return type(obj)(walk(v, f"{path}[{i}]") for i, v in enumerate(obj))
+    if isinstance(obj, deque):  # a history of frames: neither list nor tuple, so it was passed over unmoved
+        return type(obj)((walk(v, f"{path}[{i}]") for i, v in enumerate(obj)), obj.maxlen)
+    if isinstance(obj, (set, frozenset)):
+        return type(obj)(walk(v, f"{path}{{{i}}}") for i, v in enumerate(obj))
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         init = {f.name: walk(getattr(obj, f.name), f"{path}.{f.name}") for f in dataclasses.fields(obj) if f.init}
         new = dataclasses.replace(obj, **init)
@@ -125,6 +128,41 @@ def map_batch(obj: Any, leaf: Callable[[torch.Tensor, str], torch.Tensor], path:
             f"reach): implement {remedy} on {type(obj).__name__} (see stoker.device.pin.Pinnable) or make it a dataclass"
         )
     return obj
+
+
+def _rebuilt_mapping(obj: Mapping, items: dict) -> Any:
+    """``obj``'s type holding ``items`` (its values mapped), with ``obj``'s own attributes (a RecordBatch's
+    ``num_samples``), else a plain dict of them.
+
+    Built from the items where the constructor takes them; an attribute that would put other items back
+    (a UserDict's ``data``: the input's, unmoved) is not copied. A dict subclass whose constructor wants
+    more (a defaultdict's factory, a batch class's own arguments) is copied and its items replaced; a
+    copy's storage is its own only for a dict, so another mapping is never filled through a shared one.
+    """
+    def holds_items(m: Any) -> bool:
+        return len(m) == len(items) and all(k in m and m[k] is v for k, v in items.items())
+
+    try:
+        rebuilt = cast(Any, type(obj))(items)
+    except TypeError:
+        if not isinstance(obj, dict):
+            return items
+        rebuilt = copy.copy(obj)
+        rebuilt.update(items)
+        return rebuilt if holds_items(rebuilt) else items
+    if hasattr(obj, "__dict__") and hasattr(rebuilt, "__dict__"):
+        for name, value in obj.__dict__.items():
+            had = rebuilt.__dict__.get(name, _MISSING)
+            rebuilt.__dict__[name] = value
+            if not holds_items(rebuilt):  # the attribute was the items' storage: keep the rebuilt one
+                if had is _MISSING:
+                    del rebuilt.__dict__[name]
+                else:
+                    rebuilt.__dict__[name] = had
+    return rebuilt if holds_items(rebuilt) else items
+
+
+_MISSING = object()
 
 
 def _method_hook(name: str, *args: Any, **kwargs: Any) -> Callable[[Any], Any]:
@@ -152,7 +190,7 @@ def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
         walked[id(obj)] = in_objects
         if isinstance(obj, Mapping):
             values = list(obj.values())
-        elif isinstance(obj, (list, tuple)):
+        elif isinstance(obj, (list, tuple, deque, set, frozenset)):
             values = list(obj)
         elif in_objects < _MAX_OBJECT_DEPTH:
             in_objects += 1

@@ -285,6 +285,21 @@ class Stores:
                 self._stores.popitem(last=False)
         return (held[0], Hierarchy(held[0])) if self._revalidate else held
 
+    def forget_changed_archives(self) -> list[Store]:
+        """Drop the zip archives' stores whose file changed since they were opened (rewritten, or a new archive
+        renamed over it), so the next :meth:`get` opens the archive there now; returns the stores dropped.
+        Dropped, not closed: arrays opened from them still read what they opened. For a pipeline kept from one
+        epoch to the next (:meth:`~stoker.Pipeline.drop_used_up`), which otherwise reads its first archive's
+        bytes for ever."""
+        with self._lock:
+            held = list(self._stores.items())
+        gone = [(ident, h) for ident, h in held if callable(getattr(h[0], "changed", None)) and h[0].changed()]
+        with self._lock:
+            for ident, h in gone:
+                if self._stores.get(ident) is h:
+                    del self._stores[ident]
+        return [h[0] for _, h in gone]
+
     def _build(self, loc: Location, ident: tuple, options: dict, settings: dict, cache: Any) -> tuple[Store, Any]:
         """The store of ``ident`` made and kept (or the one another thread made meanwhile). Threads opening
         arrays of one root at once (a pipeline's opener threads) wait for the first one's build rather than

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 import random
 from collections import abc
@@ -116,7 +117,7 @@ def _wait_share(wait: float, compute: float) -> float:
 def _batch_len(batch: Any) -> int:
     """Samples in a batch, as the batch says: its ``num_samples`` (a records ``RecordBatch``, a
     ``CropDataset`` batch) or ``num_graphs`` (torch_geometric's ``Batch``); else a tensor's first dim (the
-    first tensor of a dict, list or tuple). Key names are never read: PyG's ``batch`` vector and a
+    first tensor of a dict, a dataclass's fields, a list or tuple). Key names are never read: PyG's ``batch`` vector and a
     ``{field}_batch`` one both count nodes, not samples."""
     for attr in ("num_samples", "num_graphs"):
         n = getattr(batch, attr, None)
@@ -124,10 +125,19 @@ def _batch_len(batch: Any) -> int:
             return n
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.dim() else 1
-    if isinstance(batch, Mapping):
-        for value in batch.values():
+    # a dataclass batch's fields in order, as a dict's values: counted as 1 before, B times too few samples
+    values = batch.values() if isinstance(batch, Mapping) else \
+        [getattr(batch, f.name, None) for f in dataclasses.fields(batch)] \
+        if dataclasses.is_dataclass(batch) and not isinstance(batch, type) else None
+    if values is not None:
+        values = list(values)
+        for value in values:
             if isinstance(value, torch.Tensor):
                 return int(value.shape[0]) if value.dim() else 1
+        for value in values:  # no tensor of its own: the first container's ({"inputs": {...}}, a list of frames)
+            if isinstance(value, (Mapping, list, tuple)) or (dataclasses.is_dataclass(value)
+                                                             and not isinstance(value, type)):
+                return _batch_len(value)
     if isinstance(batch, (list, tuple)) and batch:
         return _batch_len(batch[0])
     return 1

@@ -192,12 +192,15 @@ class Coordinator:
         ``overwrite`` with another chunk shape, codec or dtype): the next batch opens them anew, as a new pipeline
         would, instead of reading the new files by the old layout (silently wrong crops). At the first push after
         :meth:`used_up` (a new epoch of a pipeline kept for it): a few ``stat`` per array opened. Returns
-        how many were forgotten. Arrays in object stores are not looked at: their objects' bytes are revalidated
-        by their stores (cache_staleness_s), but a layout changed there needs a new pipeline."""
+        how many were forgotten. The arrays of a zip archive changed since it was opened (a new archive renamed
+        over it) are forgotten with its store: kept, they read the old archive's bytes through its open file.
+        Arrays in object stores are not looked at: their objects' bytes are revalidated by their stores
+        (cache_staleness_s), but a layout changed there needs a new pipeline."""
         n = 0
+        replaced = self.stores.forget_changed_archives()  # their next open reads the new archive's directory
         for uri, reader in self._readers.items():
             metas = reader.derived.get("metadata_files")
-            if metas is not None and metadata_identity(uri) != metas:
+            if (metas is not None and metadata_identity(uri) != metas) or any(reader.kv is k for k in replaced):
                 self._readers.discard(uri)
                 n += 1
         if n:  # a rewritten array may name its dimensions anew
