@@ -298,20 +298,32 @@ def _headless(tmp_path) -> tuple[str, str]:
     return root, archive
 
 
-def test_a_record_folder_without_a_group_document_is_an_error_naming_it(tmp_path):
+def test_a_folder_of_arrays_without_a_group_document_warns_naming_it(tmp_path):
     """Arrays written straight to root/rec.zarr/positions leave rec.zarr without zarr.json or .zgroup: such a
-    folder is no group, and was skipped without a word (13 records became 11). It is a NotFound naming the
-    folders and how to make them groups, locally and in a store (a zip archive); folders without Zarr arrays
-    are still not records."""
+    folder is no group, so no record, and was once skipped without a word (13 records became 11). Refusing the
+    dataset broke roots that keep other arrays beside their records (split indices in root/splits/train):
+    such folders are left out with one RuntimeWarning per construction naming them and how to make one a record,
+    locally and in a store (a zip archive); folders without Zarr arrays are left out silently."""
     root, archive = _headless(tmp_path)
     for where in (root, archive):
-        with pytest.raises(NotFound, match=r"rec_04\.zarr.*rec_09\.zarr.*no group document.*open_group"):
-            ZarrRecords(where, fields=SPEC)
+        with pytest.warns(RuntimeWarning, match=r"'rec_04\.zarr', 'rec_09\.zarr' hold Zarr arrays but are no "
+                                                r"groups.*not records.*open_group") as seen:
+            ds = ZarrRecords(where, fields=SPEC)
+        assert len([w for w in seen if "no groups" in str(w.message)]) == 1
+        assert "logs" not in str(seen[0].message)
+        assert len(ds) == 11 and "rec_04.zarr" not in ds.names
     for i in (4, 9):
         zarr.open_group(os.path.join(root, f"rec_{i:02d}.zarr"), mode="a", zarr_format=3 if i == 4 else 2)
-    ds = ZarrRecords(root, fields=SPEC)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ds = ZarrRecords(root, fields=SPEC)
     assert len(ds) == 13
     assert_sample_equal(ds[4], record_arrays(4, seed=3))
+
+    # Dataset-level arrays beside the records (zarr.create_array writes no document for root/splits).
+    zarr.create_array(os.path.join(root, "splits", "train"), data=np.arange(2))
+    with pytest.warns(RuntimeWarning, match=r"'splits' hold"):
+        assert len(ZarrRecords(root, fields=SPEC)) == 13
 
 
 def _mutant(tmp_path, name: str, change) -> str:
