@@ -246,8 +246,8 @@ def test_a_time_slice_longer_than_a_record_warns_naming_the_records_it_clips(tmp
     lengths = [8, 4, 8, 5]
     for i, t in enumerate(lengths):
         write_record(os.path.join(root, f"rec_{i}.zarr"), record_arrays(i, seed=2, t=t), fmt=3)
-    with pytest.warns(RuntimeWarning, match=r"time_slice=6\): 2 of 4 records .*'rec_1\.zarr' \(T=4\), "
-                                            r"'rec_3\.zarr' \(T=5\)") as seen:
+    with pytest.warns(RuntimeWarning, match=r"time_slice=6\): field 'positions': 2 of 4 records .*"
+                                            r"'rec_1\.zarr' \(T=4\), 'rec_3\.zarr' \(T=5\)") as seen:
         ds = ZarrRecords(root, fields=SPEC, time_slice=6)
     assert len([w for w in seen if "time_slice" in str(w.message)]) == 1
     assert [ds[i]["positions"].shape[0] for i in range(4)] == [6, 4, 6, 5]  # clipped, as documented
@@ -258,6 +258,38 @@ def test_a_time_slice_longer_than_a_record_warns_naming_the_records_it_clips(tmp
         ZarrRecords(root, fields={"cells": ("M", 3)}, time_slice=100)  # no time axis among the fields
     with pytest.warns(RuntimeWarning, match="'rec_1.zarr' \\(T=4\\)"):  # fields without dims: axis 0
         ZarrRecords(root, fields=["positions"], time_slice=6)
+
+
+def test_the_time_slice_warning_judges_each_field_alone(tmp_path):
+    """Fields given without dims are sliced along axis 0, so a per-record field (label, shape (1,)) has one
+    "step". The warning took each record's minimum over all fields: with points (20, 3) and label (1,) and
+    time_slice=8 it said every record held 1 step and advised time_slice=1 (cutting points to 1 step), though
+    ds[i] gave points (8, 3) as asked, and under -W error the dataset could not be built. Each field is judged
+    alone: one that reaches time_slice in some record but not in others is named with those records; one that
+    reaches it in none while another field does (a label) is no time series, and comes out whole, unwarned."""
+    root = str(tmp_path / "pl")
+    truth = []
+    for i, t in enumerate([20, 20, 5]):
+        g = zarr.open_group(os.path.join(root, f"rec{i}.zarr"), mode="w")
+        g.create_array("points", data=np.arange(t * 3, dtype="f4").reshape(t, 3) + i)
+        g.create_array("label", data=np.array([i]))
+        truth.append({"points": g["points"][:], "label": g["label"][:]})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for fields in (None, ["points", "label"]):
+            ds = ZarrRecords(root, fields=fields, time_slice=5)  # points has 5 steps everywhere
+            for i in range(3):
+                assert torch.equal(ds[i]["points"], torch.from_numpy(truth[i]["points"][:5]))
+                assert torch.equal(ds[i]["label"], torch.from_numpy(truth[i]["label"]))
+    with pytest.warns(RuntimeWarning, match=r"time_slice=8\): field 'points': 1 of 3 records .*'rec2\.zarr' "
+                                            r"\(T=5\)") as seen:
+        ds = ZarrRecords(root, time_slice=8)
+    [message] = [str(w.message) for w in seen if "time_slice" in str(w.message)]
+    assert "label" not in message and "time_slice=1" not in message
+    assert [tuple(ds[i]["points"].shape) for i in range(3)] == [(8, 3), (8, 3), (5, 3)]
+    assert tuple(ds[0]["label"].shape) == (1,)
+    with pytest.warns(RuntimeWarning, match=r"field 'points': 3 of 3 records"):  # longer than every record
+        ZarrRecords(root, fields=["points"], time_slice=100)
 
 
 def test_group_of_groups_root(tmp_path):
@@ -298,20 +330,32 @@ def _headless(tmp_path) -> tuple[str, str]:
     return root, archive
 
 
-def test_a_record_folder_without_a_group_document_is_an_error_naming_it(tmp_path):
+def test_a_folder_of_arrays_without_a_group_document_warns_naming_it(tmp_path):
     """Arrays written straight to root/rec.zarr/positions leave rec.zarr without zarr.json or .zgroup: such a
-    folder is no group, and was skipped without a word (13 records became 11). It is a NotFound naming the
-    folders and how to make them groups, locally and in a store (a zip archive); folders without Zarr arrays
-    are still not records."""
+    folder is no group, so no record, and was once skipped without a word (13 records became 11). Refusing the
+    dataset broke roots that keep other arrays beside their records (split indices in root/splits/train):
+    such folders are left out with one RuntimeWarning per construction naming them and how to make one a record,
+    locally and in a store (a zip archive); folders without Zarr arrays are left out silently."""
     root, archive = _headless(tmp_path)
     for where in (root, archive):
-        with pytest.raises(NotFound, match=r"rec_04\.zarr.*rec_09\.zarr.*no group document.*open_group"):
-            ZarrRecords(where, fields=SPEC)
+        with pytest.warns(RuntimeWarning, match=r"'rec_04\.zarr', 'rec_09\.zarr' hold Zarr arrays but are no "
+                                                r"groups.*not records.*open_group") as seen:
+            ds = ZarrRecords(where, fields=SPEC)
+        assert len([w for w in seen if "no groups" in str(w.message)]) == 1
+        assert "logs" not in str(seen[0].message)
+        assert len(ds) == 11 and "rec_04.zarr" not in ds.names
     for i in (4, 9):
         zarr.open_group(os.path.join(root, f"rec_{i:02d}.zarr"), mode="a", zarr_format=3 if i == 4 else 2)
-    ds = ZarrRecords(root, fields=SPEC)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ds = ZarrRecords(root, fields=SPEC)
     assert len(ds) == 13
     assert_sample_equal(ds[4], record_arrays(4, seed=3))
+
+    # Dataset-level arrays beside the records (zarr.create_array writes no document for root/splits).
+    zarr.create_array(os.path.join(root, "splits", "train"), data=np.arange(2))
+    with pytest.warns(RuntimeWarning, match=r"'splits' hold"):
+        assert len(ZarrRecords(root, fields=SPEC)) == 13
 
 
 def _mutant(tmp_path, name: str, change) -> str:

@@ -22,6 +22,7 @@ array per field, dtypes as small codes into a table. No file stays open.
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence, Union
 
@@ -108,31 +109,33 @@ def _children(path: str) -> list[str]:
         raise NotFound(f"{path} is a file; a record dataset is a directory of Zarr groups", uri=path) from None
 
 
-def refuse_headless(root: str, folders: Sequence[str]) -> None:
-    """A NotFound naming the ``folders`` under ``root`` that hold Zarr arrays but no group document.
+def warn_headless(root: str, folders: Sequence[str]) -> None:
+    """One RuntimeWarning naming the ``folders`` under ``root`` that hold Zarr arrays but no group document.
 
-    Such a folder is what writing arrays straight to ``root/<record>/<array>`` makes (zarr-python writes no
-    document for the folders above an array): it is no group, so no record, yet it is plainly meant as one;
-    leaving it out would shrink the dataset without a word. Folders holding no Zarr array stay ignored."""
+    Such a folder is no group, so no record, and is left out; but leaving it out without a word hid records
+    whose arrays were written straight to ``root/<record>/<array>`` (zarr-python writes no document for the
+    folders above an array). It may equally be data beside the records (split indices in ``root/splits``), so
+    this warns rather than refuses, and says how to make one a record. Folders holding no Zarr array are not
+    named."""
     if not folders:
         return
     shown = ", ".join(repr(f) for f in folders[:5]) + (f" and {len(folders) - 5} more" if len(folders) > 5 else "")
-    raise NotFound(
-        f"{root}: the folder(s) {shown} hold Zarr arrays but no group document (zarr.json or .zgroup), so they "
-        f"are no records and would be left out of the dataset. Make each a group: "
-        f"zarr.open_group('{join_key(root, folders[0])}', mode='a', zarr_format=<its arrays' format>) writes the "
-        "document (writing arrays straight to root/<record>/<array> writes none); or move them out of the root",
-        uri=join_key(root, folders[0]))
+    warnings.warn(
+        f"{root}: the folder(s) {shown} hold Zarr arrays but are no groups (no zarr.json or .zgroup), so they are "
+        "not records and are left out of the dataset. If one is meant to be a record, write its group document: "
+        f"zarr.open_group('{join_key(root, folders[0])}', mode='a', zarr_format=<its arrays' format>) (writing "
+        "arrays straight to root/<record>/<array> writes none); if not, nothing needs to change",
+        RuntimeWarning, stacklevel=2)
 
 
 def list_records(root: str, store: LocalStore) -> list[str]:
-    """Names of the child groups of ``root`` (sorted); other entries are ignored, except folders that hold
-    Zarr arrays without being groups (:func:`refuse_headless`)."""
+    """Names of the child groups of ``root`` (sorted); other entries are left out, folders that hold Zarr
+    arrays without being groups with a warning (:func:`warn_headless`)."""
     if _node_kind(root, store) == "array":
         raise InvalidArgument(f"{root} is a Zarr array; a record dataset is a directory or group of groups", uri=root)
     kinds = {n: _node_kind(os.path.join(root, n), store) for n in _children(root)}
     names = [n for n, kind in kinds.items() if kind == "group"]
-    refuse_headless(root, [n for n, kind in kinds.items() if kind is None and list_arrays(os.path.join(root, n), store)])
+    warn_headless(root, [n for n, kind in kinds.items() if kind is None and list_arrays(os.path.join(root, n), store)])
     if not names:
         raise NotFound(
             f"{root} holds no Zarr groups; each record must be a group (e.g. {root}/sample_0000.zarr/positions)",
@@ -351,7 +354,7 @@ class _StoreNodes:
         if self.hierarchy.group_entries(self.prefix, self.uri) is None:  # listed: folders that are no node seen
             others: list[str] = []
             names = self._listed("", "group", others)
-            refuse_headless(self.uri, [n for n in others if self._listed(n, "array")])
+            warn_headless(self.uri, [n for n in others if self._listed(n, "array")])
         else:  # consolidated metadata names groups only: a folder that is no group is not in it
             names = self._children("", "group")
         if not names:

@@ -88,8 +88,10 @@ class ZarrRecords(torch.utils.data.Dataset):
     a list of names, or a dict ``name -> dims`` such as ``("T", "N", 3)`` whose named
     dims must agree across a record's fields. ``time_slice=k`` keeps the first ``k``
     steps (Python slicing: fewer when a record is shorter, which one RuntimeWarning at
-    construction names) along the dim named
-    ``"T"``, or along axis 0 of fields given without dims. ``cache_bytes`` bounds a
+    construction names, field by field) along the dim named ``"T"``, or along axis 0 of
+    fields given without dims (such a field shorter than ``k`` in every record while
+    another field reaches ``k``, e.g. a label of shape ``(1,)``, is taken as no time series
+    and not warned about; give dims without ``"T"`` to leave a field unsliced). ``cache_bytes`` bounds a
     per-process LRU of decoded samples (0: nothing is kept between reads).
     ``lazy=False`` reads every record at construction. ``store`` (a
     :class:`~stoker.storage.LocalStore`) serves reads in the constructing process
@@ -255,26 +257,45 @@ class ZarrRecords(torch.utils.data.Dataset):
         return spec.index(TIME_DIM) if TIME_DIM in spec else None
 
     def _warn_if_clipped(self) -> None:
-        """One RuntimeWarning naming the records that hold fewer than ``time_slice`` steps: they keep all of
-        theirs (Python's slicing, as documented), so their samples hold fewer steps than asked, which a model
-        expecting ``time_slice`` steps would otherwise meet only as a shape error, or not at all."""
+        """One RuntimeWarning naming, field by field, the records whose time axis holds fewer than
+        ``time_slice`` steps: they keep all of theirs (Python's slicing, as documented), so those samples hold
+        fewer steps than asked, which a model expecting ``time_slice`` steps would otherwise meet only as a
+        shape error, or not at all.
+
+        Each field is judged alone (fields differ: a per-record label has one "step" while the positions have
+        many, and a minimum over fields would call every record short). A field whose dims name ``"T"`` is
+        named wherever it is short. A field given without dims is sliced along axis 0 only by presumption: it is
+        named wherever it is short if it reaches ``time_slice`` in some record (a series of varied lengths), or
+        if no field does (``time_slice`` longer than every record); one that reaches it nowhere while another
+        field does is taken as no time series (a label, a per-record table): it comes out whole, unwarned."""
         k, cat = self._time_slice, self._catalog
         if k is None:
             return
-        lengths = np.full(len(cat), k, dtype=np.int64)
+        steps: dict[str, np.ndarray] = {}  # field -> its time-axis length in each record
         for name in cat.fields:
             axis = self._time_axis(name)
             if axis is not None and cat.shapes[name].shape[1]:
-                lengths = np.minimum(lengths, cat.shapes[name][:, axis])
-        short = np.flatnonzero(lengths < k)
-        if not short.size:
+                steps[name] = cat.shapes[name][:, axis]
+        reached = any(bool((t >= k).any()) for t in steps.values())
+        parts, presumed = [], False
+        for name, t in steps.items():
+            short = np.flatnonzero(t < k)
+            named_time = cat.specs.get(name) is not None
+            if not short.size or not (named_time or (t >= k).any() or not reached):
+                continue
+            presumed |= not named_time
+            shown = ", ".join(f"{cat.names[b]!r} (T={int(t[b])})" for b in short[:5])
+            more = f" and {short.size - 5} more" if short.size > 5 else ""
+            parts.append(f"field {name!r}: {short.size} of {len(cat)} records hold fewer than {k} steps "
+                         f"(shortest {int(t.min())}): {shown}{more}")
+        if not parts:
             return
-        shown = ", ".join(f"{cat.names[b]!r} (T={int(lengths[b])})" for b in short[:5])
-        more = f" and {short.size - 5} more" if short.size > 5 else ""
-        warnings.warn(f"ZarrRecords({cat.root!r}, time_slice={k}): {short.size} of {len(cat)} records hold fewer "
-                      f"than {k} steps and keep all of theirs, so their samples have fewer than {k}: {shown}{more}. "
-                      f"For as many steps in every sample pass time_slice={int(lengths.min())} (the shortest), or "
-                      "leave those records out", RuntimeWarning, stacklevel=3)
+        hint = (". Fields given without dims are sliced along axis 0; to slice only a time axis, give dims "
+                "(fields={name: ('T', ...)}; a field whose dims name no 'T' is not sliced)" if presumed else "")
+        warnings.warn(f"ZarrRecords({cat.root!r}, time_slice={k}): {'; '.join(parts)}. Those records keep all of "
+                      f"their steps, so their samples hold fewer than {k} of that field; for {k} in every sample "
+                      f"leave them out, or pass a time_slice no longer than that field's shortest{hint}",
+                      RuntimeWarning, stacklevel=3)
 
     def _out_shape(self, b: int, name: str) -> tuple[int, ...]:
         shape = self._catalog.shape(b, name)
