@@ -6,9 +6,9 @@ runs, apply to the next requests in order:
 
 - ``fail(n, status)``: the next ``n`` requests get ``status`` (503 by default) and no body;
 - ``latency_s``: every request waits this long before it is answered;
-- ``hold_until_in_flight(n, timeout_s, under)``: every request of a path starting with ``under`` waits (after
-  ``latency_s``) until ``n`` have been open at once, or ``timeout_s`` passed: a client that opens ``n`` at once
-  is seen to, however loaded the machine;
+- ``hold_until_in_flight(n, timeout_s, under, ending)``: every request of a path starting with ``under`` (and
+  ending with ``ending``) waits (after ``latency_s``) until ``n`` have been open at once, or ``timeout_s`` passed:
+  a client that opens ``n`` at once is seen to, however loaded the machine;
 - ``truncate(n)``: the next ``n`` bodies announce their full length but stop half way, and the
   connection is closed (a dropped connection);
 - ``shorten(n)``: the next ``n`` bodies are consistent but shorter than asked (headers and body agree
@@ -166,7 +166,8 @@ class RangeServer(ThreadingHTTPServer):
         self._faults: list[tuple] = []
         self._lock = threading.Lock()
         self._entered = threading.Condition(self._lock)
-        self._hold: tuple[int, float, str] | None = None  # (requests open at once, the longest wait, path prefix)
+        # (requests open at once, the longest wait, path prefix, path suffix)
+        self._hold: tuple[int, float, str, str] | None = None
         self._connections: set[socket.socket] = set()
         self._thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
         self._thread.start()
@@ -203,19 +204,20 @@ class RangeServer(ThreadingHTTPServer):
             self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
             self._entered.notify_all()
 
-    def hold_until_in_flight(self, n: int | None, timeout_s: float = 10.0, under: str = "/") -> None:
+    def hold_until_in_flight(self, n: int | None, timeout_s: float = 10.0, under: str = "/",
+                             ending: str = "") -> None:
         """From now on every request waits until ``n`` have been open at once (``peak_in_flight``; then no more
-        waits) or ``timeout_s`` passed, those of a path starting with ``under`` (a metadata document the client
-        reads before it can ask more is left out); None: no wait."""
+        waits) or ``timeout_s`` passed, those of a path starting with ``under`` and ending with ``ending`` (a
+        metadata document the client reads before it can ask more is left out); None: no wait."""
         with self._lock:
-            self._hold = None if n is None else (n, timeout_s, under)
+            self._hold = None if n is None else (n, timeout_s, under, ending)
             self._entered.notify_all()
 
     def held(self, path: str) -> None:
         """The wait :meth:`hold_until_in_flight` asks of a request for ``path`` (its handler's thread)."""
         with self._lock:
-            if self._hold is not None and path.startswith(self._hold[2]):
-                n, timeout_s, _ = self._hold
+            if self._hold is not None and path.startswith(self._hold[2]) and path.endswith(self._hold[3]):
+                n, timeout_s, _, _ = self._hold
                 self._entered.wait_for(lambda: self._hold is None or self.peak_in_flight >= n, timeout_s)
 
     def track(self, conn: socket.socket, alive: bool) -> None:

@@ -284,6 +284,36 @@ def test_prefetcher_delivers_fenced_device_batches():
     assert seen == 6
 
 
+class Length:
+    """A value with a unit whose ``to`` converts units (pint's Quantity: ``q.to("m")``), no device move."""
+
+    METRES = {"m": 1.0, "km": 1000.0}
+
+    def __init__(self, value, unit):
+        self.value, self.unit = value, unit
+
+    def to(self, unit, **contexts):
+        return Length(self.value * self.METRES[self.unit] / self.METRES[unit], unit)
+
+
+def test_to_device_leaves_an_object_whose_to_takes_no_device_as_it_is():
+    """to_device called ``.to(device, non_blocking=...)`` on any object with a ``to``: a batch carrying a unit
+    quantity (pint's, whose ``to`` converts units) failed with that ``to``'s own error (pint: an
+    AttributeError about 'NoneType'), and the Trainer with it. Such an object is now taken as one without a
+    ``to``: a scalar passes as it is (a RuntimeWarning names its type), one holding tensors is a TypeError
+    naming where; objects whose ``to`` moves them (Movable, a Module) still move themselves."""
+    dx = Length(3.0, "km")
+    with pytest.warns(RuntimeWarning, match=r"a Length was not moved: its to\(device, non_blocking=True\)"):
+        out = pin.to_device({"x": torch.zeros(2), "dx": dx}, torch.device("cpu"))
+    assert out["dx"] is dx and (dx.value, dx.unit) == (3.0, "km")
+    with pytest.warns(RuntimeWarning, match="Length"), \
+            pytest.raises(TypeError, match=r"cannot move batch\['dx'\]\.value.*its own to\(\) is no device move"):
+        pin.to_device({"dx": Length(torch.arange(3.0), "km")}, torch.device("cpu"))
+    module = torch.nn.Linear(2, 2)
+    out = pin.to_device({"m": Movable(torch.arange(4.0)), "net": module}, torch.device("cpu"))
+    assert out["m"].moved_to == torch.device("cpu") and out["net"] is module
+
+
 @pytest.mark.cuda
 def test_prefetcher_moves_a_self_moving_custom_batch():
     batches = [Movable(torch.full((1 << 16,), float(i))) for i in range(3)]

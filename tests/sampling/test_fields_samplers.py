@@ -717,3 +717,38 @@ def test_fields_whose_dimensions_come_in_another_order_are_refused(tmp_path, zar
     s = stoker.RandomCrops(same, seed=0, samples_per_epoch=4, mask=stoker.Mask(uri["n"], field="y")).sample(0, 0)
     (t0, _), (y0, _), (x0, _) = s["x"].aabb
     assert s["y"].aabb == ((t0 + 2, t0 + 3), (y0, y0 + 4), (x0, x0 + 4))
+
+
+@pytest.mark.timeout(60)
+def test_remote_fields_dimension_names_are_read_at_once(tmp_path):
+    """The fields' dimension-order check reads each remote v2 array's ``.zattrs`` (one GET each, and one for a
+    mask) at sampler construction; one after the other they cost a round trip per field. They are asked at once
+    (the server holds each ``.zattrs`` request until two are open together, or 3 s), once each, and fields in
+    another order are still refused over HTTP."""
+    from range_server import RangeServer
+
+    root = tmp_path / "d.zarr"
+    zarr.open_group(str(root), mode="w", zarr_format=2)
+    for name, dims in [("a", ["lat", "lon"]), ("b", ["lat", "lon"]), ("c", ["lon", "lat"]), ("m", ["lat", "lon"])]:
+        z = zarr.create_array(str(root / name), shape=(16, 16), chunks=(8, 8), dtype="u1", zarr_format=2)
+        z[:] = 1
+        z.attrs["_ARRAY_DIMENSIONS"] = dims
+    server = RangeServer(str(tmp_path))
+    try:
+        url = server.url + "/d.zarr/"
+
+        def fields(*names):  # scales given: no OME metadata looked up, so only the check reads .zattrs
+            return {n: stoker.Field(url + n, (4, 4), scale=(1, 1)) for n in names}
+
+        for mask in (None, stoker.Mask(url + "m", field="a", scale=1)):
+            server.hold_until_in_flight(2, timeout_s=3.0, ending="/.zattrs")
+            server.peak_in_flight, first = 0, len(server.paths)
+            stoker.RandomCrops(fields("a", "b"), seed=0, samples_per_epoch=4, mask=mask)
+            server.hold_until_in_flight(None)
+            asked = [p for p in server.paths[first:] if p.endswith("/.zattrs")]
+            assert sorted(asked) == sorted(f"/d.zarr/{n}/.zattrs" for n in ("a", "b") + (("m",) if mask else ()))
+            assert server.peak_in_flight >= 2, "the fields' .zattrs were read one after the other"
+        with pytest.raises(stoker.InvalidArgument, match=r"field 'c'.*\('lon', 'lat'\).*field 'a'"):
+            stoker.TileGrid(fields("a", "c"), stride=(4, 4))
+    finally:
+        server.stop()

@@ -251,6 +251,20 @@ def test_missing_array_is_not_found_naming_uri(tree):
         stoker.open_array(remote(tree, "http", "g3.zarr/sub")[0], stores=Stores())
 
 
+def test_a_missing_bucket_is_not_found_naming_the_bucket(tree):
+    """An array in a bucket that does not exist read as any missing array ("no Zarr array at s3://..."), which
+    sends one looking for a wrong path when the bucket name (or the endpoint, or the region) is what is wrong.
+    S3 says so in its 404 (NoSuchBucket): NotFound naming the bucket, from the requests made anyway; an array
+    missing from a bucket that exists is still "no Zarr array"."""
+    _, options = remote(tree, "s3", "plain2.zarr")
+    for uri in ("s3://no-such-bucket/a.zarr", "s3://no-such-bucket/g.zarr/sub/a"):
+        with pytest.raises(NotFound, match=r"bucket 'no-such-bucket' does not exist") as info:
+            stoker.open_array(uri, options, stores=Stores())
+        assert info.value.context.get("bucket") == "no-such-bucket"
+    with pytest.raises(NotFound, match="no Zarr array at"):
+        stoker.open_array(f"s3://{BUCKET}/{PREFIX}/nope.zarr", options, stores=Stores())
+
+
 def test_storage_error_names_uri_and_key(tree):
     server = RangeServer(tree["root"])
     stores = Stores()

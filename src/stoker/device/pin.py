@@ -81,7 +81,8 @@ def map_batch(obj: Any, leaf: Callable[[torch.Tensor, str], torch.Tensor], path:
     call its own ``pin_memory()``, the :class:`Pinnable` protocol); it returns
     ``NotImplemented`` for objects it does not apply to. Scalars and strings pass
     through; any other object that holds array data raises ``TypeError`` naming the
-    path to the leaf and the ``remedy`` (the method its type should implement).
+    path to the leaf and the ``remedy`` (the method its type should implement; where it has that method and
+    the hook declined it, that it is no such move).
     """
     if isinstance(obj, torch.Tensor):
         return leaf(obj, path)
@@ -123,10 +124,15 @@ def map_batch(obj: Any, leaf: Callable[[torch.Tensor, str], torch.Tensor], path:
         return new
     found = _find_array_leaf(obj, path)
     if found is not None:
-        raise TypeError(
-            f"cannot move {found} ({type(obj).__name__} at {path} holds array data stoker does not know how to "
-            f"reach): implement {remedy} on {type(obj).__name__} (see stoker.device.pin.Pinnable) or make it a dataclass"
-        )
+        name = type(obj).__name__
+        method = remedy.split("(", 1)[0]
+        if callable(getattr(obj, method, None)):  # it has one, which the hook found no move (to_device's)
+            fix = (f"its own {method}() is no device move (it refused the device); put its values in the batch "
+                   "as a tensor, or in a dataclass")
+        else:
+            fix = f"implement {remedy} on {name} (see stoker.device.pin.Pinnable) or make it a dataclass"
+        raise TypeError(f"cannot move {found} ({name} at {path} holds array data stoker does not know how to "
+                        f"reach): {fix}")
     return obj
 
 
@@ -231,12 +237,44 @@ def pin_object(obj: T) -> T:
     return map_batch(obj, _pin_leaf, hook=_method_hook("pin_memory"), remedy="pin_memory()")
 
 
+#: What a ``to`` that is no device move raises given a device (pint's Quantity, whose ``to`` converts units:
+#: AttributeError or its own TypeError; a unit table: KeyError; a parser: ValueError). Not RuntimeError: a
+#: device's own failure (out of memory) is raised, never taken for "no device move".
+_NOT_A_MOVE = (TypeError, AttributeError, LookupError, ValueError)
+
+
+def _move_hook(device: torch.device, non_blocking: bool) -> Callable[[Any], Any]:
+    """:func:`to_device`'s hook: an object with a ``to`` is moved by ``obj.to(device, non_blocking=...)``.
+    A module and a Pinnable (one with ``pin_memory()`` too: torch_geometric's ``Data``) declare that is a
+    device move: what it raises is raised. Any other object's ``to`` may be something else (pint's Quantity
+    converts units with it): where it refuses a device (raises one of :data:`_NOT_A_MOVE`) the object is taken
+    as one without a ``to`` (NotImplemented: :func:`map_batch` passes it as it is, or names the tensors it
+    holds), with a RuntimeWarning naming its type."""
+    def hook(obj: Any) -> Any:
+        fn = getattr(obj, "to", None)
+        if not callable(fn):
+            return NotImplemented
+        if isinstance(obj, torch.nn.Module) or callable(getattr(obj, "pin_memory", None)):
+            return fn(device, non_blocking=non_blocking)
+        try:
+            return fn(device, non_blocking=non_blocking)
+        except _NOT_A_MOVE as exc:
+            warnings.warn(f"stoker.to_device: a {type(obj).__name__} was not moved: its "
+                          f"to(device, non_blocking={non_blocking}) refused the device ({type(exc).__name__}: "
+                          f"{exc}), so it is no device move (a unit conversion?); it is taken as an object "
+                          "without to(): passed as it is, or named if it holds array data", RuntimeWarning,
+                          stacklevel=2)
+            return NotImplemented
+    return hook
+
+
 def to_device(obj: T, device: torch.device, non_blocking: bool = True) -> T:
     """``obj`` with every tensor moved to ``device`` (same traversal and types as :func:`pin_object`).
 
-    An object with its own ``to(device, non_blocking=...)`` (as torch_geometric's
-    ``Data`` or a Pinnable batch class) moves itself.
+    An object with its own ``to(device, non_blocking=...)`` (as torch_geometric's ``Data``, a Pinnable batch
+    class, a module) moves itself. A ``to`` that refuses a device is no device move (pint's Quantity converts
+    units with its ``to``): such an object passes as it is (with a RuntimeWarning naming it), or is a
+    TypeError naming where it holds tensors; it is never called with anything but the device.
     """
     return map_batch(obj, lambda t, _: t.to(device, non_blocking=non_blocking),
-                     hook=_method_hook("to", device, non_blocking=non_blocking),
-                     remedy="to(device, non_blocking=False)")
+                     hook=_move_hook(device, non_blocking), remedy="to(device, non_blocking=False)")

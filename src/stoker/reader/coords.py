@@ -17,6 +17,7 @@ array(['2000-01-01T00:00:00.000000000', '2000-01-01T06:00:00.000000000'], dtype=
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import time
 from typing import Any, Sequence
@@ -166,6 +167,33 @@ def dimension_names(reader: ArrayReader, stores: Stores | None = None,
     return _documents_of(reader, stores, options)[2]
 
 
+#: The most arrays whose documents :func:`_names_at_once` reads at once (each a thread waiting on its request).
+MAX_READ_AT_ONCE = 16
+
+
+def _names_at_once(readers: Sequence[ArrayReader], stores: Stores | None,
+                   storage_options: Any) -> list[tuple | None]:
+    """Each reader's dimension names, None where it has none or they cannot be read (MetadataError,
+    StorageError: the order checks are advisory). A sampler's fields are opened one after the other, and a
+    remote v2 array's names are in its ``.zattrs``, read by nothing before: asked one after the other, they
+    cost a round trip per field (and mask) at construction. Where two or more need a request, they are asked
+    at once (a thread each, up to :data:`MAX_READ_AT_ONCE`); what is read is kept on each reader as before."""
+
+    def names_of(r: ArrayReader) -> tuple | None:
+        try:
+            return dimension_names(r, stores, options_for(storage_options, r.uri))
+        except (MetadataError, StorageError):
+            return None
+
+    # a local array's documents cost a file read, and those already read (kept) nothing: no thread for them
+    asking = sum(1 for r in readers if not r.kv.is_local and "documents" not in r.derived)
+    if asking < 2:
+        return [names_of(r) for r in readers]
+    with concurrent.futures.ThreadPoolExecutor(min(asking, MAX_READ_AT_ONCE),
+                                               thread_name_prefix="stoker-dimensions") as pool:
+        return list(pool.map(names_of, readers))
+
+
 def _order_clash(named: Sequence[tuple[str, ArrayReader]], stores: Stores | None,
                  storage_options: Any) -> tuple[str, ArrayReader, tuple, str, ArrayReader, tuple] | None:
     """The first of ``named`` (label, reader) pairs whose dimension names are those of an earlier one in another
@@ -173,11 +201,7 @@ def _order_clash(named: Sequence[tuple[str, ArrayReader]], stores: Stores | None
     whose names cannot be read (malformed ``_ARRAY_DIMENSIONS``, a store that fails the request) are not
     compared: the check is advisory."""
     first: tuple[str, ArrayReader, tuple] | None = None
-    for label, r in named:
-        try:
-            names = dimension_names(r, stores, options_for(storage_options, r.uri))
-        except (MetadataError, StorageError):
-            continue
+    for (label, r), names in zip(named, _names_at_once([r for _, r in named], stores, storage_options)):
         if names is None or any(n is None for n in names):
             continue
         if first is None:
@@ -212,7 +236,9 @@ def check_field_dimensions(named: Sequence[tuple[str, ArrayReader]], who: str, s
     too) name the same dimensions in another order: the fields share one anchor and each box is placed on its
     arrays by axis position, so a target over ``(time, lon, lat)`` beside an input over ``(time, lat, lon)``
     would take the input's lat range on lon, where xarray aligns them by name. The rules of
-    :func:`check_channel_dimensions` otherwise (advisory; unnamed or other dimensions are not compared)."""
+    :func:`check_channel_dimensions` otherwise (advisory; unnamed or other dimensions are not compared). Remote
+    v2 arrays' names (their ``.zattrs``, which nothing read before) are asked for all at once: a round trip at
+    construction however many fields, not one per field."""
     clash = _order_clash(named, stores, storage_options)
     if clash is not None:
         label, r, names, first_label, first_reader, first = clash

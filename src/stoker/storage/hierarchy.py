@@ -34,7 +34,7 @@ import threading
 from typing import Any, Callable
 
 from ..errors import MetadataError, NotFound, StokerError, StorageError, as_value
-from .store import Store, denied
+from .store import Store, bucket_missing, denied
 
 #: Ancestors looked at for consolidated metadata, nearest first.
 MAX_LEVELS = 8
@@ -130,10 +130,13 @@ class Hierarchy:
 
     def read(self, key: str, uri: str, optional: bool = False) -> bytes | None:
         """The document at ``key`` (at most :data:`MAX_DOCUMENT_BYTES`), or None when there is none (or,
-        ``optional``, when the store refuses to read it: see the module docstring)."""
+        ``optional``, when the store refuses to read it: see the module docstring); a missing bucket
+        (:func:`~stoker.storage.store.bucket_missing`) is raised, whatever ``optional``."""
         try:
             data = self.store.get(key)
-        except NotFound:
+        except NotFound as exc:
+            if bucket_missing(exc):  # no document of any node can be read: "no array here" would mislead
+                raise
             return None
         except StorageError as exc:
             if optional and denied(exc):

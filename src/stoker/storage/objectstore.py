@@ -54,7 +54,8 @@ from .. import checks
 from ..errors import InternalError, InvalidArgument, NotFound, ShutdownError, StorageError, UnsupportedFormat, as_value
 from ..runtime.faults import serve
 from .ranges import coalesce
-from .store import ByteRange, Store, by_key, check_key, check_prefix, gone_or_shorter, not_found, short_read
+from .store import (ByteRange, Store, by_key, check_key, check_prefix, gone_or_shorter, missing_bucket, not_found,
+                    short_read)
 from .urls import check_remote_url
 
 #: obstore's HTTP client options (``ClientConfig``): these ``storage_options`` go to the client.
@@ -75,6 +76,9 @@ _TRANSIENT = ("error sending request", "body error", "timed out", "connection re
 
 #: obstore's message (lower case) for a ranged read answered with the whole value (a server without range support)
 _NO_RANGES = "range request not supported"
+#: The error code of S3's 404 for a bucket that does not exist (S3-compatible servers' too), in the body obstore
+#: quotes in its error: no request more tells it from a missing key
+_NO_BUCKET = "<Code>NoSuchBucket</Code>"
 
 
 #: When the call this task serves must be done (the loop's clock): the most any of its requests waits for a
@@ -457,6 +461,8 @@ class ObjectStore(Store):
         with ``exc`` means: None to try again after a backoff (it may pass, and tries and time are left), else
         the error to raise (NotFound for a missing key; a StorageError naming the key, status and tries)."""
         if isinstance(exc, FileNotFoundError):
+            if _NO_BUCKET in str(exc):  # a GET's 404 body (a HEAD's has none: read as a missing key)
+                return missing_bucket(self.uri, key)
             return not_found(self.uri, key)
         if isinstance(exc, StorageError):  # permanent, raised by op (a range past the end of the value)
             exc.attempts = exc.context["attempts"] = attempt
