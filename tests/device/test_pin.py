@@ -125,6 +125,31 @@ def test_map_batch_moves_user_dicts_and_keeps_dict_subclasses():
     assert len(seen) == 2
 
 
+def test_map_batch_moves_the_tensor_attributes_of_mapping_subclasses():
+    """Regression: a mapping subclass's attributes were copied as they were: a UserDict's ``mask`` and a dict
+    subclass's ``extra`` (rebuilt by the copy route) came back the same CPU tensors, never moved, and
+    tensors_in found only the items' tensors (so DevicePrefetcher's record_stream missed the attribute's).
+    They are walked as a dataclass's fields are; a UserDict's ``data`` (its items) is still not copied."""
+    from collections import UserDict
+
+    class Masked(UserDict):
+        pass
+
+    user = Masked(x=torch.zeros(2))
+    user.mask = torch.zeros(3)
+    meta = _Meta({"x": torch.zeros(1)}, meta="tile 3")
+    meta.extra = torch.zeros(4)
+    assert sorted(t.numel() for t in pin.tensors_in({"u": user, "m": meta})) == [1, 2, 3, 4]
+    seen, leaf = _recording()
+    out = pin.map_batch({"user": user, "meta": meta}, leaf)
+    assert type(out["user"]) is Masked and out["user"]["x"].tolist() == [1.0, 1.0]
+    assert out["user"].mask.tolist() == [1.0] * 3 and user.mask.tolist() == [0.0] * 3
+    assert out["user"].data is not user.data and set(out["user"].data) == {"x"}
+    assert type(out["meta"]) is _Meta and out["meta"].meta == "tile 3"
+    assert out["meta"].extra.tolist() == [1.0] * 4 and meta.extra.tolist() == [0.0] * 4
+    assert sorted(seen) == ["batch['meta'].extra", "batch['meta']['x']", "batch['user'].mask", "batch['user']['x']"]
+
+
 def test_map_batch_keeps_numpy_scalars_shapes_and_reads_big_endian_arrays():
     """Regression: a 0-d numpy array (a per-batch loss weight) became a tensor of shape (1,), silently
     changing how it broadcasts and stacks; a big-endian array (as zarr v2 stores '>i4') raised torch's

@@ -106,7 +106,7 @@ def map_batch(obj: Any, leaf: Callable[[torch.Tensor, str], torch.Tensor], path:
         items = {k: walk(v, f"{path}[{k!r}]") for k, v in obj.items()}
         if type(obj) is dict:
             return items
-        return _rebuilt_mapping(obj, items)
+        return _rebuilt_mapping(obj, items, lambda name, v: walk(v, f"{path}.{name}"))
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
         return type(obj)(*(walk(v, f"{path}.{f}") for f, v in zip(obj._fields, obj)))
     if isinstance(obj, (list, tuple)):
@@ -136,9 +136,10 @@ def map_batch(obj: Any, leaf: Callable[[torch.Tensor, str], torch.Tensor], path:
     return obj
 
 
-def _rebuilt_mapping(obj: Mapping, items: dict) -> Any:
+def _rebuilt_mapping(obj: Mapping, items: dict, attribute: Callable[[str, Any], Any]) -> Any:
     """``obj``'s type holding ``items`` (its values mapped), with ``obj``'s own attributes (a RecordBatch's
-    ``num_samples``), else a plain dict of them.
+    ``num_samples``) mapped by ``attribute(name, value)`` (as a dataclass's fields are: a tensor attribute, a
+    batch's mask, is moved with its items, not left behind on the CPU), else a plain dict of them.
 
     Built from the items where the constructor takes them; an attribute that would put other items back
     (a UserDict's ``data``: the input's, unmoved) is not copied. A dict subclass whose constructor wants
@@ -155,6 +156,11 @@ def _rebuilt_mapping(obj: Mapping, items: dict) -> Any:
             return items
         rebuilt = copy.copy(obj)
         rebuilt.update(items)
+        if not holds_items(rebuilt):
+            return items
+        if hasattr(rebuilt, "__dict__"):  # the copy's attributes are the input's: mapped (a dict keeps no items there)
+            for name, value in list(rebuilt.__dict__.items()):
+                rebuilt.__dict__[name] = attribute(name, value)
         return rebuilt if holds_items(rebuilt) else items
     if hasattr(obj, "__dict__") and hasattr(rebuilt, "__dict__"):
         for name, value in obj.__dict__.items():
@@ -165,6 +171,8 @@ def _rebuilt_mapping(obj: Mapping, items: dict) -> Any:
                     del rebuilt.__dict__[name]
                 else:
                     rebuilt.__dict__[name] = had
+            else:  # an attribute of its own: mapped (not walked before this test: the storage is walked once)
+                rebuilt.__dict__[name] = attribute(name, value)
     return rebuilt if holds_items(rebuilt) else items
 
 
@@ -183,19 +191,24 @@ def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
     """Every tensor reachable from ``obj``: through containers at any depth, as :func:`map_batch` moves
     them, and through plain objects' attributes (self-moving batches) at most 6 objects deep, so a batch
     that refers to a model or dataset is not walked whole. An object is walked again only when reached
-    by a shorter path (so a deep path seen first cannot hide what a short one reaches): cycles end."""
+    by a shorter path (so a deep path seen first cannot hide what a short one reaches): cycles end. A
+    mapping's own attributes are walked with its items (a batch dict's mask, which :func:`map_batch` moves);
+    a tensor is yielded once, however many ways lead to it (a UserDict's items, and its ``data``)."""
     walked: dict[int, int] = {}  # id -> fewest plain objects passed on the way, when it was walked
+    found: set[int] = set()  # the tensors yielded (held by ``obj``: their ids are not reused meanwhile)
     todo = [(obj, 0)]
     while todo:
         obj, in_objects = todo.pop()
         if isinstance(obj, torch.Tensor):
-            yield obj
+            if id(obj) not in found:
+                found.add(id(obj))
+                yield obj
             continue
         if isinstance(obj, (_SCALARS, np.ndarray)) or walked.get(id(obj), _MAX_OBJECT_DEPTH + 1) <= in_objects:
             continue
         walked[id(obj)] = in_objects
         if isinstance(obj, Mapping):
-            values = list(obj.values())
+            values = list(obj.values()) + list(getattr(obj, "__dict__", {}).values())
         elif isinstance(obj, (list, tuple, deque, set, frozenset)):
             values = list(obj)
         elif in_objects < _MAX_OBJECT_DEPTH:
