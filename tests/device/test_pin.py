@@ -339,6 +339,26 @@ def test_to_device_leaves_an_object_whose_to_takes_no_device_as_it_is():
     assert out["m"].moved_to == torch.device("cpu") and out["net"] is module
 
 
+class NoKeywords:
+    """A batch class whose ``to(device)`` moves it but takes no ``non_blocking``."""
+
+    def __init__(self, x):
+        self.x = x
+
+    def to(self, device):
+        return NoKeywords(self.x.to(device))
+
+
+def test_the_error_of_a_refused_to_says_what_it_raised():
+    """The TypeError for an object holding tensors whose own ``to()`` raised said only that it "is no device
+    move": what it raised (here: no ``non_blocking`` keyword, which a one-line fix of the class mends) was in a
+    warning only. It is now in the message, and the error's cause."""
+    with pytest.warns(RuntimeWarning, match="NoKeywords"), pytest.raises(TypeError) as err:
+        pin.to_device({"b": NoKeywords(torch.ones(2))}, torch.device("cpu"))
+    assert "its own to() is no device move" in str(err.value) and "non_blocking" in str(err.value)
+    assert isinstance(err.value.__cause__, TypeError) and "non_blocking" in str(err.value.__cause__)
+
+
 @pytest.mark.cuda
 def test_prefetcher_moves_a_self_moving_custom_batch():
     batches = [Movable(torch.full((1 << 16,), float(i))) for i in range(3)]

@@ -94,9 +94,12 @@ def map_batch(obj: Any, leaf: Callable[[torch.Tensor, str], torch.Tensor], path:
         return leaf(torch.from_numpy(np.asarray(obj, dtype=obj.dtype.newbyteorder("="), order="C")), path)
     if isinstance(obj, _SCALARS):
         return obj
+    refused: BaseException | None = None  # what the object's own method raised, where the hook declined it so
     if hook is not None and not isinstance(obj, (Mapping, list, tuple)):
         handled = hook(obj)
-        if handled is not NotImplemented:
+        if isinstance(handled, _Declined):
+            refused = handled.error
+        elif handled is not NotImplemented:
             return handled
 
     def walk(value: Any, where: str) -> Any:
@@ -127,13 +130,25 @@ def map_batch(obj: Any, leaf: Callable[[torch.Tensor, str], torch.Tensor], path:
         name = type(obj).__name__
         method = remedy.split("(", 1)[0]
         if callable(getattr(obj, method, None)):  # it has one, which the hook found no move (to_device's)
-            fix = (f"its own {method}() is no device move (it refused the device); put its values in the batch "
-                   "as a tensor, or in a dataclass")
+            why = f"{type(refused).__name__}: {refused}" if refused is not None else "it refused the device"
+            fix = (f"its own {method}() is no device move ({why}); put its values in the batch as a tensor, or "
+                   f"in a dataclass, or make its {remedy} work")
         else:
             fix = f"implement {remedy} on {name} (see stoker.device.pin.Pinnable) or make it a dataclass"
         raise TypeError(f"cannot move {found} ({name} at {path} holds array data stoker does not know how to "
-                        f"reach): {fix}")
+                        f"reach): {fix}") from refused
     return obj
+
+
+class _Declined:
+    """What a :func:`map_batch` hook returns for an object whose own method it called and found no such move
+    (NotImplemented, with what that method raised: the TypeError naming the object's leaves says it and
+    is caused by it, so a ``to()`` that merely lacks ``non_blocking`` is not taken for a unit conversion)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
 
 
 def _rebuilt_mapping(obj: Mapping, items: dict, attribute: Callable[[str, Any], Any]) -> Any:
@@ -261,7 +276,7 @@ def _move_hook(device: torch.device, non_blocking: bool) -> Callable[[Any], Any]
     A module and a Pinnable (one with ``pin_memory()`` too: torch_geometric's ``Data``) declare that is a
     device move: what it raises is raised. Any other object's ``to`` may be something else (pint's Quantity
     converts units with it): where it refuses a device (raises one of :data:`_NOT_A_MOVE`) the object is taken
-    as one without a ``to`` (NotImplemented: :func:`map_batch` passes it as it is, or names the tensors it
+    as one without a ``to`` (:class:`_Declined`: :func:`map_batch` passes it as it is, or names the tensors it
     holds), with a RuntimeWarning naming its type."""
     def hook(obj: Any) -> Any:
         fn = getattr(obj, "to", None)
@@ -277,7 +292,7 @@ def _move_hook(device: torch.device, non_blocking: bool) -> Callable[[Any], Any]
                           f"{exc}), so it is no device move (a unit conversion?); it is taken as an object "
                           "without to(): passed as it is, or named if it holds array data", RuntimeWarning,
                           stacklevel=2)
-            return NotImplemented
+            return _Declined(exc)
     return hook
 
 
