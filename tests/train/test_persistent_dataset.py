@@ -219,6 +219,36 @@ def test_an_array_rewritten_between_epochs_is_read_as_it_is_now(tmp_path, decode
         assert ds._kept[0] is kept  # one pipeline throughout
 
 
+def test_the_gpu_and_hybrid_executors_close_the_replaced_zip_archives_too(tmp_path, monkeypatch):
+    """As above, for the executors that decode on a device (here on the host: their tests' stand-ins): their
+    descriptions of each array (gpu/sources.py Described) held the forgotten readers, and each old archive's
+    file with them (8 descriptors after 4 epochs where 2 are open)."""
+    import gc
+
+    from descriptors import open_under
+    from stoker.engine.gpu.executor import GpuDecodeExecutor
+    from stoker.engine.hybrid.executor import HybridExecutor
+    from stoker.engine.hybrid.split import Shares
+    from stoker.engine.pipeline import facade as pipelines
+
+    archive, write = _zip_writer(tmp_path)
+    write(0, (4, 16, 16))
+    source = stoker.RandomCrops([archive + "/v.zarr"], (4, 8, 8), seed=3, samples_per_epoch=24)
+    for make in (lambda cfg, device, stats, store: GpuDecodeExecutor.on_host(cfg, stats, store),
+                 lambda cfg, device, stats, store: HybridExecutor.on_host(cfg, stats, store, shares=Shares(0.5))):
+        monkeypatch.setattr(pipelines, "make_executor", make)
+        data, counts = write(0, (4, 16, 16)), []
+        with stoker.CropDataset(source.for_rank(0, 1), _cfg(), copy=True, persistent=True, with_samples=True) as ds:
+            for epoch in range(4):
+                for samples, x in DataLoader(ds, batch_size=None):
+                    want = np.stack([data[tuple(slice(*ax) for ax in s.aabb)] for s in samples]).astype("f4")
+                    assert np.array_equal(x.numpy(), want), f"epoch {epoch}"
+                gc.collect()
+                counts.append(open_under(tmp_path))
+                data = write(epoch + 1, (4, 16, 16))
+        assert counts[0] > 0 and counts == [counts[0]] * len(counts), counts
+
+
 def _zip_writer(tmp_path):
     """``(archive, write)``: ``write(seed, chunks)`` writes an array into a folder, zips the folder into a new
     archive renamed over ``archive`` (as docs/remote.md says to replace one) and returns the array's values."""
