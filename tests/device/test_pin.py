@@ -125,6 +125,31 @@ def test_map_batch_moves_user_dicts_and_keeps_dict_subclasses():
     assert len(seen) == 2
 
 
+def test_map_batch_moves_the_tensor_attributes_of_mapping_subclasses():
+    """Regression: a mapping subclass's attributes were copied as they were: a UserDict's ``mask`` and a dict
+    subclass's ``extra`` (rebuilt by the copy route) came back the same CPU tensors, never moved, and
+    tensors_in found only the items' tensors (so DevicePrefetcher's record_stream missed the attribute's).
+    They are walked as a dataclass's fields are; a UserDict's ``data`` (its items) is still not copied."""
+    from collections import UserDict
+
+    class Masked(UserDict):
+        pass
+
+    user = Masked(x=torch.zeros(2))
+    user.mask = torch.zeros(3)
+    meta = _Meta({"x": torch.zeros(1)}, meta="tile 3")
+    meta.extra = torch.zeros(4)
+    assert sorted(t.numel() for t in pin.tensors_in({"u": user, "m": meta})) == [1, 2, 3, 4]
+    seen, leaf = _recording()
+    out = pin.map_batch({"user": user, "meta": meta}, leaf)
+    assert type(out["user"]) is Masked and out["user"]["x"].tolist() == [1.0, 1.0]
+    assert out["user"].mask.tolist() == [1.0] * 3 and user.mask.tolist() == [0.0] * 3
+    assert out["user"].data is not user.data and set(out["user"].data) == {"x"}
+    assert type(out["meta"]) is _Meta and out["meta"].meta == "tile 3"
+    assert out["meta"].extra.tolist() == [1.0] * 4 and meta.extra.tolist() == [0.0] * 4
+    assert sorted(seen) == ["batch['meta'].extra", "batch['meta']['x']", "batch['user'].mask", "batch['user']['x']"]
+
+
 def test_map_batch_keeps_numpy_scalars_shapes_and_reads_big_endian_arrays():
     """Regression: a 0-d numpy array (a per-batch loss weight) became a tensor of shape (1,), silently
     changing how it broadcasts and stacks; a big-endian array (as zarr v2 stores '>i4') raised torch's
@@ -312,6 +337,26 @@ def test_to_device_leaves_an_object_whose_to_takes_no_device_as_it_is():
     module = torch.nn.Linear(2, 2)
     out = pin.to_device({"m": Movable(torch.arange(4.0)), "net": module}, torch.device("cpu"))
     assert out["m"].moved_to == torch.device("cpu") and out["net"] is module
+
+
+class NoKeywords:
+    """A batch class whose ``to(device)`` moves it but takes no ``non_blocking``."""
+
+    def __init__(self, x):
+        self.x = x
+
+    def to(self, device):
+        return NoKeywords(self.x.to(device))
+
+
+def test_the_error_of_a_refused_to_says_what_it_raised():
+    """The TypeError for an object holding tensors whose own ``to()`` raised said only that it "is no device
+    move": what it raised (here: no ``non_blocking`` keyword, which a one-line fix of the class mends) was in a
+    warning only. It is now in the message, and the error's cause."""
+    with pytest.warns(RuntimeWarning, match="NoKeywords"), pytest.raises(TypeError) as err:
+        pin.to_device({"b": NoKeywords(torch.ones(2))}, torch.device("cpu"))
+    assert "its own to() is no device move" in str(err.value) and "non_blocking" in str(err.value)
+    assert isinstance(err.value.__cause__, TypeError) and "non_blocking" in str(err.value.__cause__)
 
 
 @pytest.mark.cuda

@@ -219,10 +219,39 @@ def test_an_array_rewritten_between_epochs_is_read_as_it_is_now(tmp_path, decode
         assert ds._kept[0] is kept  # one pipeline throughout
 
 
-def test_a_zip_archive_replaced_between_epochs_is_read_as_it_is_now(tmp_path):
-    """Regression: a zip archive replaced between two epochs (a new archive renamed over it, as docs/remote.md
-    says to replace one) was read by the kept pipeline through the old archive's open file: every crop of the
-    next epoch silently the old data, where a new pipeline and zarr-python read the new archive."""
+def test_the_gpu_and_hybrid_executors_close_the_replaced_zip_archives_too(tmp_path, monkeypatch):
+    """As above, for the executors that decode on a device (here on the host: their tests' stand-ins): their
+    descriptions of each array (gpu/sources.py Described) held the forgotten readers, and each old archive's
+    file with them (8 descriptors after 4 epochs where 2 are open)."""
+    import gc
+
+    from descriptors import open_under
+    from stoker.engine.gpu.executor import GpuDecodeExecutor
+    from stoker.engine.hybrid.executor import HybridExecutor
+    from stoker.engine.hybrid.split import Shares
+    from stoker.engine.pipeline import facade as pipelines
+
+    archive, write = _zip_writer(tmp_path)
+    write(0, (4, 16, 16))
+    source = stoker.RandomCrops([archive + "/v.zarr"], (4, 8, 8), seed=3, samples_per_epoch=24)
+    for make in (lambda cfg, device, stats, store: GpuDecodeExecutor.on_host(cfg, stats, store),
+                 lambda cfg, device, stats, store: HybridExecutor.on_host(cfg, stats, store, shares=Shares(0.5))):
+        monkeypatch.setattr(pipelines, "make_executor", make)
+        data, counts = write(0, (4, 16, 16)), []
+        with stoker.CropDataset(source.for_rank(0, 1), _cfg(), copy=True, persistent=True, with_samples=True) as ds:
+            for epoch in range(4):
+                for samples, x in DataLoader(ds, batch_size=None):
+                    want = np.stack([data[tuple(slice(*ax) for ax in s.aabb)] for s in samples]).astype("f4")
+                    assert np.array_equal(x.numpy(), want), f"epoch {epoch}"
+                gc.collect()
+                counts.append(open_under(tmp_path))
+                data = write(epoch + 1, (4, 16, 16))
+        assert counts[0] > 0 and counts == [counts[0]] * len(counts), counts
+
+
+def _zip_writer(tmp_path):
+    """``(archive, write)``: ``write(seed, chunks)`` writes an array into a folder, zips the folder into a new
+    archive renamed over ``archive`` (as docs/remote.md says to replace one) and returns the array's values."""
     import zipfile
 
     archive, folder = str(tmp_path / "d.zip"), str(tmp_path / "tree")
@@ -238,6 +267,14 @@ def test_a_zip_archive_replaced_between_epochs_is_read_as_it_is_now(tmp_path):
         os.replace(archive + ".tmp", archive)
         return z[:]
 
+    return archive, write
+
+
+def test_a_zip_archive_replaced_between_epochs_is_read_as_it_is_now(tmp_path):
+    """Regression: a zip archive replaced between two epochs (a new archive renamed over it, as docs/remote.md
+    says to replace one) was read by the kept pipeline through the old archive's open file: every crop of the
+    next epoch silently the old data, where a new pipeline and zarr-python read the new archive."""
+    archive, write = _zip_writer(tmp_path)
     data = write(0, (4, 16, 16))
     source = stoker.RandomCrops([archive + "/v.zarr"], (4, 8, 8), seed=3, samples_per_epoch=24)
     with stoker.CropDataset(source.for_rank(0, 1), _cfg(), copy=True, persistent=True, with_samples=True) as ds:
@@ -248,6 +285,30 @@ def test_a_zip_archive_replaced_between_epochs_is_read_as_it_is_now(tmp_path):
             kept = ds._kept[0]
             data = write(epoch + 1, [(4, 16, 16), (8, 8, 16), (8, 8, 16)][epoch])  # same layout, then another
         assert ds._kept[0] is kept  # one pipeline throughout
+
+
+def test_the_replaced_zip_archives_are_closed_epoch_after_epoch(tmp_path, decode_path):
+    """Regression: a kept pipeline over a zip archive replaced after each epoch read the new archive, but the
+    compiled engine's decoder kept its descriptions of the forgotten arrays, and through them each old
+    archive's store and open file: two more descriptors of deleted archives every epoch (16 after 8). The
+    arrays the pipeline forgets are forgotten by its executor too, so the old archives are closed."""
+    import gc
+
+    from descriptors import open_under
+
+    archive, write = _zip_writer(tmp_path)
+    data = write(0, (4, 16, 16))
+    source = stoker.RandomCrops([archive + "/v.zarr"], (4, 8, 8), seed=3, samples_per_epoch=24)
+    counts = []
+    with stoker.CropDataset(source.for_rank(0, 1), _cfg(), copy=True, persistent=True, with_samples=True) as ds:
+        for epoch in range(5):
+            for samples, x in DataLoader(ds, batch_size=None):
+                want = np.stack([data[tuple(slice(*ax) for ax in s.aabb)] for s in samples]).astype("f4")
+                assert np.array_equal(x.numpy(), want), f"epoch {epoch}"
+            gc.collect()
+            counts.append(open_under(tmp_path))
+            data = write(epoch + 1, (4, 16, 16))
+    assert counts[0] > 0 and counts == [counts[0]] * len(counts), counts  # the archive read now only
 
 
 def test_a_grid_read_epoch_after_epoch_in_one_pipeline_covers_every_tile(tmp_path):

@@ -345,6 +345,25 @@ def test_samples_of_a_nested_batch_are_its_first_tensors_rows():
     assert r.samples == 12
 
 
+@pytest.mark.parametrize("shape", ["names first", "empty list first", "deque"])
+def test_samples_of_a_batch_are_counted_from_the_first_container_holding_a_tensor(shape):
+    """Regression: a batch whose first container held no tensor (a list of sample names, an empty list) was
+    counted by that container (one sample a step), and one holding a deque of frames as one too: samples and
+    samples/s silently B times too small. The first tensor's rows count, wherever it is."""
+    from collections import deque
+
+    def batch(b):
+        return {"names first": {"ids": ["a"] * len(b), "inputs": {"x": b}},
+                "empty list first": {"meta": [], "inputs": {"x": b}},
+                "deque": {"frames": deque([b])}}[shape]
+
+    def loss(model, b):
+        return jobs.mse(model, b["frames"][0] if "frames" in b else b["inputs"]["x"])
+
+    r = _trainer(loss_fn=loss).fit([batch(b) for b in jobs.global_batches(3, 4)], steps=3, resume=None)
+    assert r.samples == 12
+
+
 def test_trainer_arguments_are_checked():
     with pytest.raises(InvalidArgument, match="amp"):
         _trainer(amp="int8")

@@ -94,9 +94,12 @@ def map_batch(obj: Any, leaf: Callable[[torch.Tensor, str], torch.Tensor], path:
         return leaf(torch.from_numpy(np.asarray(obj, dtype=obj.dtype.newbyteorder("="), order="C")), path)
     if isinstance(obj, _SCALARS):
         return obj
+    refused: BaseException | None = None  # what the object's own method raised, where the hook declined it so
     if hook is not None and not isinstance(obj, (Mapping, list, tuple)):
         handled = hook(obj)
-        if handled is not NotImplemented:
+        if isinstance(handled, _Declined):
+            refused = handled.error
+        elif handled is not NotImplemented:
             return handled
 
     def walk(value: Any, where: str) -> Any:
@@ -106,7 +109,7 @@ def map_batch(obj: Any, leaf: Callable[[torch.Tensor, str], torch.Tensor], path:
         items = {k: walk(v, f"{path}[{k!r}]") for k, v in obj.items()}
         if type(obj) is dict:
             return items
-        return _rebuilt_mapping(obj, items)
+        return _rebuilt_mapping(obj, items, lambda name, v: walk(v, f"{path}.{name}"))
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
         return type(obj)(*(walk(v, f"{path}.{f}") for f, v in zip(obj._fields, obj)))
     if isinstance(obj, (list, tuple)):
@@ -127,18 +130,31 @@ def map_batch(obj: Any, leaf: Callable[[torch.Tensor, str], torch.Tensor], path:
         name = type(obj).__name__
         method = remedy.split("(", 1)[0]
         if callable(getattr(obj, method, None)):  # it has one, which the hook found no move (to_device's)
-            fix = (f"its own {method}() is no device move (it refused the device); put its values in the batch "
-                   "as a tensor, or in a dataclass")
+            why = f"{type(refused).__name__}: {refused}" if refused is not None else "it refused the device"
+            fix = (f"its own {method}() is no device move ({why}); put its values in the batch as a tensor, or "
+                   f"in a dataclass, or make its {remedy} work")
         else:
             fix = f"implement {remedy} on {name} (see stoker.device.pin.Pinnable) or make it a dataclass"
         raise TypeError(f"cannot move {found} ({name} at {path} holds array data stoker does not know how to "
-                        f"reach): {fix}")
+                        f"reach): {fix}") from refused
     return obj
 
 
-def _rebuilt_mapping(obj: Mapping, items: dict) -> Any:
+class _Declined:
+    """What a :func:`map_batch` hook returns for an object whose own method it called and found no such move
+    (NotImplemented, with what that method raised: the TypeError naming the object's leaves says it and
+    is caused by it, so a ``to()`` that merely lacks ``non_blocking`` is not taken for a unit conversion)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def _rebuilt_mapping(obj: Mapping, items: dict, attribute: Callable[[str, Any], Any]) -> Any:
     """``obj``'s type holding ``items`` (its values mapped), with ``obj``'s own attributes (a RecordBatch's
-    ``num_samples``), else a plain dict of them.
+    ``num_samples``) mapped by ``attribute(name, value)`` (as a dataclass's fields are: a tensor attribute, a
+    batch's mask, is moved with its items, not left behind on the CPU), else a plain dict of them.
 
     Built from the items where the constructor takes them; an attribute that would put other items back
     (a UserDict's ``data``: the input's, unmoved) is not copied. A dict subclass whose constructor wants
@@ -155,6 +171,11 @@ def _rebuilt_mapping(obj: Mapping, items: dict) -> Any:
             return items
         rebuilt = copy.copy(obj)
         rebuilt.update(items)
+        if not holds_items(rebuilt):
+            return items
+        if hasattr(rebuilt, "__dict__"):  # the copy's attributes are the input's: mapped (a dict keeps no items there)
+            for name, value in list(rebuilt.__dict__.items()):
+                rebuilt.__dict__[name] = attribute(name, value)
         return rebuilt if holds_items(rebuilt) else items
     if hasattr(obj, "__dict__") and hasattr(rebuilt, "__dict__"):
         for name, value in obj.__dict__.items():
@@ -165,6 +186,8 @@ def _rebuilt_mapping(obj: Mapping, items: dict) -> Any:
                     del rebuilt.__dict__[name]
                 else:
                     rebuilt.__dict__[name] = had
+            else:  # an attribute of its own: mapped (not walked before this test: the storage is walked once)
+                rebuilt.__dict__[name] = attribute(name, value)
     return rebuilt if holds_items(rebuilt) else items
 
 
@@ -183,19 +206,24 @@ def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
     """Every tensor reachable from ``obj``: through containers at any depth, as :func:`map_batch` moves
     them, and through plain objects' attributes (self-moving batches) at most 6 objects deep, so a batch
     that refers to a model or dataset is not walked whole. An object is walked again only when reached
-    by a shorter path (so a deep path seen first cannot hide what a short one reaches): cycles end."""
+    by a shorter path (so a deep path seen first cannot hide what a short one reaches): cycles end. A
+    mapping's own attributes are walked with its items (a batch dict's mask, which :func:`map_batch` moves);
+    a tensor is yielded once, however many ways lead to it (a UserDict's items, and its ``data``)."""
     walked: dict[int, int] = {}  # id -> fewest plain objects passed on the way, when it was walked
+    found: set[int] = set()  # the tensors yielded (held by ``obj``: their ids are not reused meanwhile)
     todo = [(obj, 0)]
     while todo:
         obj, in_objects = todo.pop()
         if isinstance(obj, torch.Tensor):
-            yield obj
+            if id(obj) not in found:
+                found.add(id(obj))
+                yield obj
             continue
         if isinstance(obj, (_SCALARS, np.ndarray)) or walked.get(id(obj), _MAX_OBJECT_DEPTH + 1) <= in_objects:
             continue
         walked[id(obj)] = in_objects
         if isinstance(obj, Mapping):
-            values = list(obj.values())
+            values = list(obj.values()) + list(getattr(obj, "__dict__", {}).values())
         elif isinstance(obj, (list, tuple, deque, set, frozenset)):
             values = list(obj)
         elif in_objects < _MAX_OBJECT_DEPTH:
@@ -248,7 +276,7 @@ def _move_hook(device: torch.device, non_blocking: bool) -> Callable[[Any], Any]
     A module and a Pinnable (one with ``pin_memory()`` too: torch_geometric's ``Data``) declare that is a
     device move: what it raises is raised. Any other object's ``to`` may be something else (pint's Quantity
     converts units with it): where it refuses a device (raises one of :data:`_NOT_A_MOVE`) the object is taken
-    as one without a ``to`` (NotImplemented: :func:`map_batch` passes it as it is, or names the tensors it
+    as one without a ``to`` (:class:`_Declined`: :func:`map_batch` passes it as it is, or names the tensors it
     holds), with a RuntimeWarning naming its type."""
     def hook(obj: Any) -> Any:
         fn = getattr(obj, "to", None)
@@ -264,7 +292,7 @@ def _move_hook(device: torch.device, non_blocking: bool) -> Callable[[Any], Any]
                           f"{exc}), so it is no device move (a unit conversion?); it is taken as an object "
                           "without to(): passed as it is, or named if it holds array data", RuntimeWarning,
                           stacklevel=2)
-            return NotImplemented
+            return _Declined(exc)
     return hook
 
 

@@ -39,7 +39,7 @@ import copy
 import dataclasses
 import math
 import random
-from collections import abc
+from collections import abc, deque
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -116,9 +116,11 @@ def _wait_share(wait: float, compute: float) -> float:
 
 def _batch_len(batch: Any) -> int:
     """Samples in a batch, as the batch says: its ``num_samples`` (a records ``RecordBatch``, a
-    ``CropDataset`` batch) or ``num_graphs`` (torch_geometric's ``Batch``); else a tensor's first dim (the
-    first tensor of a dict, a dataclass's fields, a list or tuple). Key names are never read: PyG's ``batch`` vector and a
-    ``{field}_batch`` one both count nodes, not samples."""
+    ``CropDataset`` batch) or ``num_graphs`` (torch_geometric's ``Batch``); else the first tensor's first dim
+    (a dict's values, a dataclass's fields, a list's, tuple's or deque's items in order: a tensor among them,
+    else the first of them that holds one, so a list of sample names or an empty list before the inputs is
+    not what is counted). Key names are never read: PyG's ``batch`` vector and a ``{field}_batch`` one both
+    count nodes, not samples."""
     for attr in ("num_samples", "num_graphs"):
         n = getattr(batch, attr, None)
         if isinstance(n, int) and not isinstance(n, bool):
@@ -126,20 +128,20 @@ def _batch_len(batch: Any) -> int:
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.dim() else 1
     # a dataclass batch's fields in order, as a dict's values: counted as 1 before, B times too few samples
-    values = batch.values() if isinstance(batch, Mapping) else \
+    sequence = isinstance(batch, (list, tuple, deque))
+    values = list(batch.values()) if isinstance(batch, Mapping) else list(batch) if sequence else \
         [getattr(batch, f.name, None) for f in dataclasses.fields(batch)] \
-        if dataclasses.is_dataclass(batch) and not isinstance(batch, type) else None
-    if values is not None:
-        values = list(values)
-        for value in values:
-            if isinstance(value, torch.Tensor):
-                return int(value.shape[0]) if value.dim() else 1
-        for value in values:  # no tensor of its own: the first container's ({"inputs": {...}}, a list of frames)
-            if isinstance(value, (Mapping, list, tuple)) or (dataclasses.is_dataclass(value)
-                                                             and not isinstance(value, type)):
+        if dataclasses.is_dataclass(batch) and not isinstance(batch, type) else []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            return int(value.shape[0]) if value.dim() else 1
+    for value in values:  # no tensor of its own: the first container holding one ({"inputs": {...}}, frames)
+        if isinstance(value, (Mapping, list, tuple, deque)) or (dataclasses.is_dataclass(value)
+                                                                and not isinstance(value, type)):
+            if next(tensors_in(value), None) is not None:
                 return _batch_len(value)
-    if isinstance(batch, (list, tuple)) and batch:
-        return _batch_len(batch[0])
+    if sequence and values:  # items that are no container (objects counting themselves): the first's count
+        return _batch_len(values[0])
     return 1
 
 

@@ -619,6 +619,22 @@ class NativeDecoder:
         and a batch of arrays new to the set (many small arrays) asks for each every batch."""
         return _kept(self._sources, (id(reader), dtype, kind), reader, self._new_source, reader, dtype, kind)
 
+    def forget(self, readers: list) -> None:
+        """Drop what is kept of ``readers`` (arrays their pipeline forgot: rewritten, or in a zip archive
+        replaced since): their descriptions and the sets of arrays that hold them. Kept, they held each
+        reader and through it its store: a replaced archive's ZipStore, and so its open file, for as long as
+        the pipeline lived (two descriptors of deleted archives more every epoch). A job in flight keeps the
+        set it was given."""
+        gone = {id(r) for r in readers}
+        if not gone:
+            return
+        for key, held in list(self._sources.items()):  # (a copy: the coordinator's thread may add meanwhile)
+            if id(held[0]) in gone:
+                self._sources.pop(key, None)
+        for key, kept in list(self._sets.items()):
+            if any(id(r) in gone for r in kept.readers):
+                self._sets.pop(key, None)
+
     def _new_source(self, reader, dtype: torch.dtype, kind: int | None) -> _Source:
         # a local array: described once per process; an array in a store: the store is this pipeline's, and so
         # is its _Source

@@ -305,6 +305,13 @@ class CpuExecutor(SlotsDelivery):
         self._pushes += 1
         self._apply_reuse()
 
+    def forget(self, readers: list[ArrayReader]) -> None:
+        """Drop what the decoders keep of ``readers``, arrays the pipeline forgot (see
+        :meth:`NativeDecoder.forget <.decode_native.NativeDecoder.forget>`), so their stores can be closed."""
+        native = self.decoders.native if self.decoders is not None else None
+        if native is not None:
+            native.forget(readers)
+
     def _apply_reuse(self) -> None:
         with self._reuse_lock:
             native = self.decoders.native if self.decoders is not None else None

@@ -435,6 +435,10 @@ class GpuDecodeExecutor(SlotsDelivery):
     def _source(self, reader, work: torch.dtype) -> Source:
         return self._sources.get(reader, work, self.half_next)  # (host only)
 
+    def forget(self, readers: list[ArrayReader]) -> None:
+        """Drop the descriptions of ``readers``, arrays the pipeline forgot, so their stores can be closed."""
+        self._sources.forget(readers)
+
     def _described(self, src: Source) -> None:
         """An array described for the first time: the first one decoded on the device after a first batch
         without one has nvCOMP's scratch made."""

@@ -136,3 +136,11 @@ class Described:
             self._held.clear()
         self._held[key] = (reader, src)
         return src
+
+    def forget(self, readers: list) -> None:
+        """Drop the descriptions of ``readers`` (arrays their pipeline forgot): kept, each holds its reader, and
+        through it its store (a replaced zip archive's open file)."""
+        gone = {id(r) for r in readers}
+        for key, held in list(self._held.items()):  # (a copy: another thread may describe meanwhile)
+            if id(held[0]) in gone:
+                self._held.pop(key, None)

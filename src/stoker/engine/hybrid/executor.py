@@ -380,6 +380,13 @@ class HybridExecutor:
         """Both parts' threads started so far."""
         return self.cpu.threads() + self.gpu.threads()
 
+    def forget(self, readers: list[ArrayReader]) -> None:
+        """Drop what both parts and the split keep of ``readers``, arrays the pipeline forgot (see
+        :meth:`CpuExecutor.forget <stoker.engine.cpu.executor.CpuExecutor.forget>`)."""
+        self._described.forget(readers)
+        self.gpu.forget(readers)
+        self.cpu.forget(readers)
+
     def shutdown(self) -> None:
         """Stop both parts: no wait of the GPU part for the host part outlives it by more than 0.1 s."""
         self._closing = True

@@ -196,16 +196,20 @@ class Coordinator:
         over it) are forgotten with its store: kept, they read the old archive's bytes through its open file.
         Arrays in object stores are not looked at: their objects' bytes are revalidated by their stores
         (cache_staleness_s), but a layout changed there needs a new pipeline."""
-        n = 0
+        forgotten = []
         replaced = self.stores.forget_changed_archives()  # their next open reads the new archive's directory
         for uri, reader in self._readers.items():
             metas = reader.derived.get("metadata_files")
             if (metas is not None and metadata_identity(uri) != metas) or any(reader.kv is k for k in replaced):
                 self._readers.discard(uri)
-                n += 1
-        if n:  # a rewritten array may name its dimensions anew
+                forgotten.append(reader)
+        if forgotten:  # a rewritten array may name its dimensions anew
             self._channels_checked.clear()
-        return n
+            # and the executors forget what they keep of them: kept, their descriptions held the readers and
+            # through them a replaced archive's store, whose file stayed open as long as the pipeline
+            for executor in [self.executor, *self.lanes.executors()]:
+                executor.forget(forgotten)
+        return len(forgotten)
 
     def _open_all(self, uris: list[str]) -> list[ArrayReader]:
         """The arrays at ``uris``. Those in remote stores not open yet are opened at once, on the pipeline's
