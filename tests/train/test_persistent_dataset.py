@@ -223,30 +223,38 @@ def test_the_gpu_and_hybrid_executors_close_the_replaced_zip_archives_too(tmp_pa
     """As above, for the executors that decode on a device (here on the host: their tests' stand-ins): their
     descriptions of each array (gpu/sources.py Described) held the forgotten readers, and each old archive's
     file with them (8 descriptors after 4 epochs where 2 are open)."""
-    import gc
-
-    from descriptors import open_under
     from stoker.engine.gpu.executor import GpuDecodeExecutor
     from stoker.engine.hybrid.executor import HybridExecutor
     from stoker.engine.hybrid.split import Shares
     from stoker.engine.pipeline import facade as pipelines
 
     archive, write = _zip_writer(tmp_path)
-    write(0, (4, 16, 16))
+    write(0, (4, 16, 16))  # (the sampler opens the array)
     source = stoker.RandomCrops([archive + "/v.zarr"], (4, 8, 8), seed=3, samples_per_epoch=24)
     for make in (lambda cfg, device, stats, store: GpuDecodeExecutor.on_host(cfg, stats, store),
                  lambda cfg, device, stats, store: HybridExecutor.on_host(cfg, stats, store, shares=Shares(0.5))):
         monkeypatch.setattr(pipelines, "make_executor", make)
-        data, counts = write(0, (4, 16, 16)), []
-        with stoker.CropDataset(source.for_rank(0, 1), _cfg(), copy=True, persistent=True, with_samples=True) as ds:
-            for epoch in range(4):
-                for samples, x in DataLoader(ds, batch_size=None):
-                    want = np.stack([data[tuple(slice(*ax) for ax in s.aabb)] for s in samples]).astype("f4")
-                    assert np.array_equal(x.numpy(), want), f"epoch {epoch}"
-                gc.collect()
-                counts.append(open_under(tmp_path))
-                data = write(epoch + 1, (4, 16, 16))
+        counts = _descriptors_epoch_after_epoch(tmp_path, source, write, 4)
         assert counts[0] > 0 and counts == [counts[0]] * len(counts), counts
+
+
+def _descriptors_epoch_after_epoch(tmp_path, source, write, epochs: int) -> list[int]:
+    """Epochs of a kept pipeline over ``write``'s archive, written anew first and replaced after each (every
+    crop checked against the archive written for it): the descriptors open under ``tmp_path`` after each."""
+    import gc
+
+    from descriptors import open_under
+
+    data, counts = write(0, (4, 16, 16)), []
+    with stoker.CropDataset(source.for_rank(0, 1), _cfg(), copy=True, persistent=True, with_samples=True) as ds:
+        for epoch in range(epochs):
+            for samples, x in DataLoader(ds, batch_size=None):
+                want = np.stack([data[tuple(slice(*ax) for ax in s.aabb)] for s in samples]).astype("f4")
+                assert np.array_equal(x.numpy(), want), f"epoch {epoch}"
+            gc.collect()
+            counts.append(open_under(tmp_path))
+            data = write(epoch + 1, (4, 16, 16))
+    return counts
 
 
 def _zip_writer(tmp_path):
@@ -292,22 +300,10 @@ def test_the_replaced_zip_archives_are_closed_epoch_after_epoch(tmp_path, decode
     compiled engine's decoder kept its descriptions of the forgotten arrays, and through them each old
     archive's store and open file: two more descriptors of deleted archives every epoch (16 after 8). The
     arrays the pipeline forgets are forgotten by its executor too, so the old archives are closed."""
-    import gc
-
-    from descriptors import open_under
-
     archive, write = _zip_writer(tmp_path)
-    data = write(0, (4, 16, 16))
+    write(0, (4, 16, 16))  # (the sampler opens the array)
     source = stoker.RandomCrops([archive + "/v.zarr"], (4, 8, 8), seed=3, samples_per_epoch=24)
-    counts = []
-    with stoker.CropDataset(source.for_rank(0, 1), _cfg(), copy=True, persistent=True, with_samples=True) as ds:
-        for epoch in range(5):
-            for samples, x in DataLoader(ds, batch_size=None):
-                want = np.stack([data[tuple(slice(*ax) for ax in s.aabb)] for s in samples]).astype("f4")
-                assert np.array_equal(x.numpy(), want), f"epoch {epoch}"
-            gc.collect()
-            counts.append(open_under(tmp_path))
-            data = write(epoch + 1, (4, 16, 16))
+    counts = _descriptors_epoch_after_epoch(tmp_path, source, write, 5)
     assert counts[0] > 0 and counts == [counts[0]] * len(counts), counts  # the archive read now only
 
 
