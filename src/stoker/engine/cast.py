@@ -249,14 +249,16 @@ def fill_value_as(fill: np.ndarray, dtype: torch.dtype, half_next: bool = False)
     return out
 
 
-def half_exact(t: np.ndarray) -> np.ndarray:
+def half_exact(t: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """float32 values of float64 ``t`` whose rounding into float16 is ``t``'s one rounding, as NumPy casts it:
     ``t``'s float16 itself (exact in float32), except where that is inf and ``t`` finite, which keeps ``t``'s
     float32, so the check of the rounding into float16 after names the value (a DtypeMismatch, never an inf).
-    The CPU's rule of :func:`stoker.engine.cpu.cf.round_to_odd_`, for values placed rather than decoded."""
+    ``out``: a float32 array already holding ``t`` rounded to nearest, made so in place (else a new one). The
+    rule of values placed, and on the CPU of values decoded (:func:`stoker.engine.cpu.cf.round_to_odd_`)."""
     with np.errstate(over="ignore"):  # past float16: inf, left out below (past float32: refused before)
         half = t.astype(np.float16)
-        out = t.astype(np.float32)
+        if out is None:
+            out = t.astype(np.float32)
     np.copyto(out, half, where=np.isfinite(half) | ~np.isfinite(t))
     return out
 

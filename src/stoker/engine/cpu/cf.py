@@ -31,6 +31,7 @@ import torch
 
 from ...errors import DtypeMismatch
 from ...reader.array import ArrayReader
+from ..cast import half_exact
 from ..rounding import RoundingProbe, fits, value_bound
 from ...reader.coords import coding
 from ...sampling.sample import parts
@@ -131,9 +132,7 @@ def round_to_odd_(v: torch.Tensor, t: torch.Tensor) -> None:
     (NumPy's cast, a third of the cost of the rounding to odd there), except where that is inf and ``t`` is
     finite: ``v`` keeps ``t``'s float32 there, so the rounding's check after names the value. NaN stays NaN."""
     if v.device.type == "cpu":
-        with np.errstate(over="ignore"):  # past float16: inf, left out below
-            half = t.numpy().astype(np.float16)
-        np.copyto(v.numpy(), half, where=np.isfinite(half) | ~np.isfinite(t.numpy()))
+        half_exact(t.numpy(), out=v.numpy())
         return
     to_odd_(v, t)
 
