@@ -909,3 +909,25 @@ def test_normalize_of_a_16_bit_field_rounds_once_and_is_not_biased(dtype):
     assert abs(float(got.float().mean()) - float(((values.float() - 283.7) / 3.0).mean())) < 0.01
     back = denormalize({"t": got}, stats)["t"]
     assert back.dtype == dtype and torch.equal(back, (got.float() * 3.0 + 283.7).to(dtype))
+
+
+def test_the_time_slice_warning_names_a_field_of_varied_lengths_short_everywhere(tmp_path):
+    """Regression: a field given without dims whose length differs between records but falls short of
+    time_slice in every one, beside a field that reaches it, was taken as "no time series" (the rule meant for
+    a label of one shape everywhere) and not named, though it is sliced along axis 0 as a series and its
+    samples hold fewer steps than asked. A field of one length everywhere (the label) is still unwarned."""
+    root = str(tmp_path / "pv")
+    for i, (t, n) in enumerate([(20, 3), (20, 6), (12, 4)]):
+        g = zarr.open_group(os.path.join(root, f"rec{i}.zarr"), mode="w")
+        g.create_array("points", data=np.zeros((t, 3), "f4"))
+        g.create_array("ids", data=np.arange(n))  # per-record lengths, all short of 8
+        g.create_array("label", data=np.array([i]))
+    with pytest.warns(RuntimeWarning, match=r"time_slice=8\): field 'ids': 3 of 3 records .*'rec0\.zarr' "
+                                            r"\(T=3\)") as seen:
+        ds = ZarrRecords(root, time_slice=8)
+    [message] = [str(w.message) for w in seen if "time_slice" in str(w.message)]
+    assert "'points'" not in message and "'label'" not in message and "give dims" in message
+    assert [tuple(ds[i]["ids"].shape) for i in range(3)] == [(3,), (6,), (4,)]  # whole: nothing cut
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ZarrRecords(root, fields=["points", "label"], time_slice=8)
