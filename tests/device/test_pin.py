@@ -410,3 +410,92 @@ def test_prefetcher_reports_a_device_it_cannot_use():
     pf = DevicePrefetcher([torch.zeros(1)], device=torch.cuda.device_count())  # one past the last GPU
     with pytest.raises(RuntimeError, match="invalid device ordinal"):
         list(pf)
+
+
+def test_map_batch_maps_a_tensor_met_twice_once():
+    """A tensor (or a list) in two places of a batch is mapped once, both places holding the one result as
+    in the input: two device copies would double its memory and part what the batch shares."""
+    t, shared = torch.zeros(3), [torch.zeros(1)]
+    batch = {"a": t, "b": [t, Pair(t, shared)], "c": shared, "n": np.zeros(2)}
+    batch["m"] = batch["n"]
+    seen, leaf = _recording()
+    out = pin.map_batch(batch, leaf)
+    assert out["a"] is out["b"][0] is out["b"][1].a and out["a"].tolist() == [1.0] * 3
+    assert out["c"] is out["b"][1].b and out["m"] is out["n"]
+    assert sorted(seen) == ["batch['a']", "batch['b'][1].b[0]", "batch['n']"]
+
+
+def test_map_batch_names_a_batch_that_contains_itself():
+    """Regression: a batch that contains itself (a list appended to itself, a dict holding itself) ran into
+    RecursionError; it is a TypeError naming where the batch comes back."""
+    loop = [torch.zeros(1)]
+    loop.append({"back": loop})
+    with pytest.raises(TypeError, match=r"cannot move batch\[1\]\['back'\]: it is batch again"):
+        pin.map_batch(loop, lambda t, p: t)
+    with pytest.raises(TypeError, match="contains itself"):
+        pin.to_device(loop, torch.device("cpu"))
+
+
+@dataclasses.dataclass
+class _Scaled:
+    x: torch.Tensor
+    scale: dataclasses.InitVar[float] = 1.0
+
+    def __post_init__(self, scale):
+        self.x = self.x * scale
+        self.mask = self.x > 0  # an attribute of its own, made here
+
+
+def test_map_batch_copies_a_dataclass_without_running_its_post_init_again():
+    """Regression: a dataclass was rebuilt by dataclasses.replace, which runs __post_init__ again: a scaling
+    there applied twice to the moved batch (silently), and an InitVar field refused (ValueError). It is copied
+    and its attributes mapped: the values as they were, the mask __post_init__ made moved too."""
+    batch = _Scaled(torch.tensor([1.0, -2.0]), scale=3.0)
+    seen, leaf = _recording()
+    out = pin.map_batch(batch, leaf)
+    assert type(out) is _Scaled and out.x.tolist() == [4.0, -5.0]  # 3x, then the leaf's +1: not 9x
+    assert out.mask.tolist() == [2, 1] and sorted(seen) == ["batch.mask", "batch.x"]
+    assert batch.x.tolist() == [3.0, -6.0]  # the input untouched
+
+
+class _Slotted:
+    __slots__ = "tensor"
+
+
+class _MoreSlots(_Slotted):
+    __slots__ = ("u", "__private")
+
+
+class _SlottedDict(dict):
+    __slots__ = ("mask",)
+
+
+def test_map_batch_reaches_the_slots_of_every_class():
+    """Regression: only the most derived class's ``__slots__`` were looked at (and a string one letter by
+    letter): a tensor in a base class's slot passed unmoved, unnamed, and tensors_in missed it; a dict
+    subclass's slot attribute was dropped from the rebuilt batch."""
+    obj = _MoreSlots()
+    obj.tensor, obj.u, obj._MoreSlots__private = torch.zeros(1), 3, "no array"
+    assert [t.numel() for t in pin.tensors_in(obj)] == [1]
+    with pytest.raises(TypeError, match=r"cannot move batch\[0\]\.tensor \(_MoreSlots"):
+        pin.map_batch([obj], lambda t, p: t)
+    obj.tensor, obj._MoreSlots__private = None, torch.zeros(2)
+    with pytest.raises(TypeError, match=r"cannot move batch\[0\]\._MoreSlots__private \(_MoreSlots"):
+        pin.map_batch([obj], lambda t, p: t)
+    masked = _SlottedDict(x=torch.zeros(1))
+    masked.mask = torch.zeros(2)
+    seen, leaf = _recording()
+    out = pin.map_batch(masked, leaf)
+    assert type(out) is _SlottedDict and out["x"].tolist() == [1.0] and out.mask.tolist() == [1.0, 1.0]
+    assert sorted(seen) == ["batch.mask", "batch['x']"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _FrozenSlots:
+    x: torch.Tensor
+    n: int
+
+
+def test_map_batch_copies_frozen_and_slotted_dataclasses():
+    out = pin.map_batch(_FrozenSlots(torch.zeros(2), 5), lambda t, p: t + 1)
+    assert type(out) is _FrozenSlots and out.x.tolist() == [1.0, 1.0] and out.n == 5

@@ -146,3 +146,19 @@ def test_forget_nones_drops_exactly_the_none_values_still_cached(ops):
     assert {k: v for k, (v, _) in cache._items.items()} == {k: v for k, v in kept.items() if v is not None}
     assert cache.nbytes == sum(len(v) for v in kept.values() if v is not None)
     assert cache.forget_nones() == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 12), st.integers(1, 40)), max_size=80))
+def test_every_value_evicted_or_replaced_is_told_once(ops):
+    """``evicted`` is told each value a put evicted or replaced by another (what the pipeline tells its
+    executors to forget): with the values still cached, every value put, each object once."""
+    told: list = []
+    cache = SizedLRU(120, sizeof=len, evicted=told.extend)
+    put = []
+    for key, size in ops:
+        value = ["x"] * size  # a new object each put
+        put.append(value)
+        cache.put(key, value)
+    kept = [v for v, _ in cache._items.values()]
+    assert sorted(map(id, told + kept)) == sorted(map(id, put))

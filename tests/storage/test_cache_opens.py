@@ -20,7 +20,6 @@ import zarr
 import stoker
 from stoker.bench.serve import BUCKET, BenchServer
 from stoker.storage.diskcache import disk_cache
-from stoker.storage.locate import Stores
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -88,9 +87,14 @@ def _cached_config(url: str, cache_dir) -> stoker.Config:
                          storage_options=options, cache_dir=str(cache_dir), cache_bytes=64 << 20)
 
 
-def _epoch(cfg: stoker.Config, root: str) -> None:
-    """One batch of a crop of each array, each equal to zarr-python's."""
+def _epoch(cfg: stoker.Config, root: str, opening=None) -> None:
+    """One batch of a crop of each array, each equal to zarr-python's; ``opening(uri)`` told of each
+    ``Stores.opening`` of the pipeline's own stores (an instance's attribute: no other pipeline's is touched)."""
     with stoker.Pipeline(cfg) as p:
+        if opening is not None:
+            stores = p._coordinator.stores
+            real = stores.opening
+            stores.opening = lambda uri, *a, **kw: opening(uri) or real(uri, *a, **kw)
         p.push([stoker.Sample(f"s3://{BUCKET}/a{i:02d}", ((0, 8), (4, 12))) for i in range(N_ARRAYS)])
         b = p.pop()
         got = torch.from_dlpack(b).numpy()
@@ -115,7 +119,7 @@ def test_cached_arrays_opened_together_are_listed_in_one_round_trip(served, tmp_
     assert server.peak == N_ARRAYS, server.peak
 
 
-def test_the_coordinator_asks_no_listing_of_a_burst_of_opens_itself(served, tmp_path, monkeypatch):
+def test_the_coordinator_asks_no_listing_of_a_burst_of_opens_itself(served, tmp_path):
     # the listings of the arrays that wait for an opener thread are asked on an opener thread, not on the
     # coordinator before any open is handed out (before: a Stores.opening call an array, each a store look-up,
     # a disk look-up and a request started, held up the coordinator's planning and the first opens); they
@@ -124,10 +128,7 @@ def test_the_coordinator_asks_no_listing_of_a_burst_of_opens_itself(served, tmp_
     cfg = _cached_config(url, tmp_path / "cache")
     _epoch(cfg, root)
     callers: list[str] = []
-    real = Stores.opening
-    monkeypatch.setattr(Stores, "opening", lambda self, *a, **kw: callers.append(
-        threading.current_thread().name) or real(self, *a, **kw))
     server.gather(N_ARRAYS)
-    _epoch(cfg, root)
+    _epoch(cfg, root, opening=lambda uri: callers.append(threading.current_thread().name))
     assert callers and not [name for name in callers if name == "stoker-coordinator"], callers
     assert server.peak == N_ARRAYS, server.peak

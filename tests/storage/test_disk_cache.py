@@ -706,3 +706,29 @@ def test_a_corrupt_entry_read_through_get_many_is_a_loss(tmp_path, read_files):
     got = cache.get_many(["bad", "good"], read_files)
     assert got[0] is None and bytes(got[1]) == b"g" * 10 and not cache.path("bad").exists()
     assert cache.corrupt == 1 and cache.losses == losses + 1
+
+
+def test_the_writer_thread_leaves_when_idle_and_the_next_put_starts_another(tmp_path, monkeypatch):
+    """Regression: the folder's writer thread, started by the first put, lived for the rest of the process,
+    waking every second, after every pipeline using the cache had closed (a process that read through a cache
+    once kept its thread for good). It leaves after WRITER_IDLE_S without work; a later put starts another,
+    and what is put before and after is written and read back."""
+    import threading
+
+    def writers():
+        return [t for t in threading.enumerate() if t.name == "stoker-diskcache"]
+
+    monkeypatch.setattr(diskcache, "WRITER_IDLE_S", 0.3)
+    before = set(writers())  # (other tests' caches in this process)
+    cache = DiskCache(str(tmp_path / "c"), 1 << 20)
+    cache.put("first", b"a" * 100)
+    assert cache.flush(10)
+    [mine] = set(writers()) - before
+    mine.join(10)
+    assert not mine.is_alive()
+    cache.put("second", b"b" * 100)
+    assert cache.flush(10)
+    assert bytes(cache.get("first")) == b"a" * 100 and bytes(cache.get("second")) == b"b" * 100
+    [again] = set(writers()) - before - {mine}
+    again.join(10)
+    assert not again.is_alive()

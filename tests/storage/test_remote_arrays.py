@@ -265,6 +265,30 @@ def test_a_missing_bucket_is_not_found_naming_the_bucket(tree):
         stoker.open_array(f"s3://{BUCKET}/{PREFIX}/nope.zarr", options, stores=Stores())
 
 
+def test_a_missing_bucket_found_by_a_listing_is_not_found_naming_the_bucket(tree):
+    """Regression: a listing of a bucket that does not exist (a group or records listed, a writer's marks
+    counted, ``stoker.inference.record.forget``) raised a StorageError quoting the server's 404, where a read
+    gives the NotFound naming the bucket (obstore raises a listing's 404 as its generic error, not as
+    FileNotFoundError). A listing of a missing folder in a bucket that exists still lists nothing."""
+    from stoker.inference.record import forget
+
+    _, options = remote(tree, "s3", "plain2.zarr")
+    stores = Stores()
+    try:
+        kv, _ = stores.get(locate("s3://no-such-bucket/g.zarr"), options)
+        for call in (lambda: kv.list("g"), lambda: kv.list_dir("g"), lambda: kv.list_versions("g"),
+                     lambda: kv.start_list_versions("g").result(timeout=30)):
+            with pytest.raises(NotFound, match=r"bucket 'no-such-bucket' does not exist .*a listing") as info:
+                call()
+            assert info.value.context.get("missing") == "bucket"
+        with pytest.raises(NotFound, match=r"bucket 'no-such-bucket' does not exist"):
+            forget("s3://no-such-bucket/pred.zarr", options)
+        kv, _ = stores.get(locate(f"s3://{BUCKET}/{PREFIX}/nope"), options)
+        assert kv.list("nope") == [] and kv.list_dir("nope") == ([], [])
+    finally:
+        stores.close()
+
+
 def test_storage_error_names_uri_and_key(tree):
     server = RangeServer(tree["root"])
     stores = Stores()

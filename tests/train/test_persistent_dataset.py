@@ -325,3 +325,40 @@ def test_a_grid_read_epoch_after_epoch_in_one_pipeline_covers_every_tile(tmp_pat
             assert all(np.array_equal(x.numpy(), w) for (_, x), w in zip(got, want, strict=True))
             kept.append(ds._kept[0])
         assert kept[0] is kept[1] is kept[2]
+
+
+def test_arrays_evicted_from_the_open_arrays_are_forgotten_by_the_executor_too(tmp_path, monkeypatch, decode_path):
+    """Regression: an array evicted from the pipeline's open arrays by their bound (``_MAX_OPEN_ARRAYS``, here
+    1, so that the two arrays of every batch evict each other) was not told to the executor, whose descriptions
+    kept its reader: once the zip archive it was read from was replaced, the kept pipeline forgot the archive
+    but the executor held its store, and its open file, for good (a descriptor more of a deleted archive every
+    epoch). Told at eviction, the old archives are closed as the pipeline forgets them."""
+    from stoker.engine.pipeline import coordinator
+
+    monkeypatch.setattr(coordinator, "_MAX_OPEN_ARRAYS", 1)
+    archive, write = _zip_writer(tmp_path)
+    write(0, (4, 16, 16))  # (the sampler opens the arrays)
+    other = str(tmp_path / "other.zarr")
+    z = zarr.create_array(other, shape=(16, 48, 48), chunks=(4, 16, 16), dtype="int16")
+    z[:] = np.random.default_rng(1).integers(-3000, 3000, z.shape, dtype=np.int16)
+    values = {other: z[:]}
+    source = stoker.RandomCrops([archive + "/v.zarr", other], (4, 8, 8), seed=3, samples_per_epoch=24)
+
+    def write_both(seed, chunks):
+        values[archive + "/v.zarr"] = write(seed, chunks)
+        return values
+
+    import gc
+
+    from descriptors import open_under
+
+    data, counts = write_both(0, (4, 16, 16)), []
+    with stoker.CropDataset(source.for_rank(0, 1), _cfg(), copy=True, persistent=True, with_samples=True) as ds:
+        for epoch in range(4):
+            for samples, x in DataLoader(ds, batch_size=None):
+                want = np.stack([data[s.uri][tuple(slice(*ax) for ax in s.aabb)] for s in samples]).astype("f4")
+                assert np.array_equal(x.numpy(), want), f"epoch {epoch}"
+            gc.collect()
+            counts.append(open_under(tmp_path))
+            data = write_both(epoch + 1, (4, 16, 16))
+    assert counts[0] > 0 and counts == [counts[0]] * len(counts), counts

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator, Protocol, TypeVar, cast, runtime_che
 import numpy as np
 import torch
 
+from ..runtime.memo import remember
 
 T = TypeVar("T")
 
@@ -48,6 +49,40 @@ def _holds_array_data(obj: Any) -> bool:
                                          "__cuda_array_interface__"))
 
 
+def _slot_names(cls: type) -> tuple[str, ...]:
+    """The slots of ``cls`` and of every class it derives from (a subclass's ``__slots__`` names only its own;
+    a string is one name; a private ``__x`` is stored mangled), without ``__dict__`` and ``__weakref__``; kept
+    per class (asked for every object of each batch)."""
+    held = _SLOTS.get(cls)
+    if held is not None:
+        return held
+    names: list[str] = []
+    for klass in cls.__mro__:
+        slots = klass.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name in ("__dict__", "__weakref__"):
+                continue
+            if name.startswith("__") and not name.endswith("__"):
+                name = f"_{klass.__name__.lstrip('_')}{name}"
+            if name not in names:
+                names.append(name)
+    return remember(_SLOTS, cls, tuple(names), 1024)
+
+
+_SLOTS: dict[type, tuple[str, ...]] = {}
+
+
+def _attributes(obj: Any) -> list[tuple[str, Any]]:
+    """``obj``'s own attributes, ``(name, value)``: those in its ``__dict__``, then its slots that are set."""
+    attrs = list(getattr(obj, "__dict__", {}).items())
+    for name in _slot_names(type(obj)):
+        try:
+            attrs.append((name, object.__getattribute__(obj, name)))
+        except AttributeError:  # a slot never set
+            pass
+    return attrs
+
+
 def _find_array_leaf(obj: Any, path: str, depth: int = 0) -> str | None:
     """Path of the first attribute holding array data inside an unknown object, if any."""
     if isinstance(obj, (torch.Tensor, np.ndarray)) or _holds_array_data(obj):
@@ -59,11 +94,7 @@ def _find_array_leaf(obj: Any, path: str, depth: int = 0) -> str | None:
     elif isinstance(obj, (list, tuple, deque, set, frozenset)):
         items = [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
     else:
-        attrs = dict(getattr(obj, "__dict__", {}))
-        for name in getattr(type(obj), "__slots__", ()):
-            if hasattr(obj, name):
-                attrs[name] = getattr(obj, name)
-        items = [(f"{path}.{k}", v) for k, v in attrs.items()]
+        items = [(f"{path}.{k}", v) for k, v in _attributes(obj)]
     for p, v in items:
         found = _find_array_leaf(v, p, depth + 1)
         if found:
@@ -76,68 +107,103 @@ def map_batch(obj: Any, leaf: Callable[[torch.Tensor, str], torch.Tensor], path:
     """Rebuild ``obj`` with ``leaf(tensor, path)`` applied to every tensor (numpy arrays become tensors).
 
     Containers keep their types: dicts (a subclass its attributes, a defaultdict its default_factory), lists,
-    tuples, namedtuples, deques (their maxlen), sets, frozensets, dataclasses
-    (fields replaced, type kept). ``hook(obj)`` lets an object handle itself (e.g.
+    tuples, namedtuples, deques (their maxlen), sets, frozensets, dataclasses (a copy, every attribute mapped:
+    ``__init__`` and ``__post_init__`` are not run again). ``hook(obj)`` lets an object handle itself (e.g.
     call its own ``pin_memory()``, the :class:`Pinnable` protocol); it returns
     ``NotImplemented`` for objects it does not apply to. Scalars and strings pass
     through; any other object that holds array data raises ``TypeError`` naming the
     path to the leaf and the ``remedy`` (the method its type should implement; where it has that method and
-    the hook declined it, that it is no such move).
+    the hook declined it, that it is no such move). An object met twice (a tensor in two places) is mapped
+    once, both places holding the one result as in ``obj``; a batch that contains itself is a ``TypeError``.
+
+    >>> t = torch.zeros(3)
+    >>> out = map_batch({"a": t, "b": [t]}, lambda x, path: x.clone())
+    >>> out["a"] is out["b"][0]
+    True
     """
-    if isinstance(obj, torch.Tensor):
-        return leaf(obj, path)
-    if isinstance(obj, np.ndarray):
-        if obj.dtype.hasobject or obj.dtype.kind in "USV":
-            raise TypeError(f"cannot move {path}: numpy array of {obj.dtype} holds no numeric data")
-        # C order in the native byte order (torch refuses a big-endian array, as zarr v2 stores '>i4'); not
-        # np.ascontiguousarray, which makes a 0-d array (a per-batch weight) one of shape (1,)
-        return leaf(torch.from_numpy(np.asarray(obj, dtype=obj.dtype.newbyteorder("="), order="C")), path)
-    if isinstance(obj, _SCALARS):
+    return _Mapper(leaf, hook, remedy).map(obj, path)
+
+
+class _Mapper:
+    """One :func:`map_batch` call: what was mapped so far, by the input's id (with the input, so that its id
+    is not reused by another object meanwhile), and the paths of the containers being rebuilt (a cycle)."""
+
+    def __init__(self, leaf: Callable[[torch.Tensor, str], torch.Tensor], hook: Callable[[Any], Any] | None,
+                 remedy: str) -> None:
+        self.leaf, self.hook, self.remedy = leaf, hook, remedy
+        self.done: dict[int, tuple[Any, Any]] = {}  # id(input) -> (input, its result)
+        self.open: dict[int, str] = {}  # id(input) -> its path, while it is being rebuilt
+
+    def map(self, obj: Any, path: str) -> Any:
+        if isinstance(obj, _SCALARS):
+            return obj
+        held = self.done.get(id(obj))
+        if held is not None:  # a tensor met again: its one copy (two would double the memory and part aliases)
+            return held[1]
+        if id(obj) in self.open:
+            raise TypeError(f"cannot move {path}: it is {self.open[id(obj)]} again (the batch contains itself), and "
+                            "a batch with a reference cycle cannot be rebuilt; hold a key or an index in place of "
+                            "the reference")
+        self.open[id(obj)] = path
+        try:
+            out = self._rebuilt(obj, path)
+        finally:
+            del self.open[id(obj)]
+        self.done[id(obj)] = (obj, out)
+        return out
+
+    def _rebuilt(self, obj: Any, path: str) -> Any:
+        leaf, hook, remedy, walk = self.leaf, self.hook, self.remedy, self.map
+        if isinstance(obj, torch.Tensor):
+            return leaf(obj, path)
+        if isinstance(obj, np.ndarray):
+            if obj.dtype.hasobject or obj.dtype.kind in "USV":
+                raise TypeError(f"cannot move {path}: numpy array of {obj.dtype} holds no numeric data")
+            # C order in the native byte order (torch refuses a big-endian array, as zarr v2 stores '>i4'); not
+            # np.ascontiguousarray, which makes a 0-d array (a per-batch weight) one of shape (1,)
+            return leaf(torch.from_numpy(np.asarray(obj, dtype=obj.dtype.newbyteorder("="), order="C")), path)
+        refused: BaseException | None = None  # what the object's own method raised, where the hook declined it so
+        if hook is not None and not isinstance(obj, (Mapping, list, tuple)):
+            handled = hook(obj)
+            if isinstance(handled, _Declined):
+                refused = handled.error
+            elif handled is not NotImplemented:
+                return handled
+
+        if isinstance(obj, Mapping):
+            items = {k: walk(v, f"{path}[{k!r}]") for k, v in obj.items()}
+            if type(obj) is dict:
+                return items
+            return _rebuilt_mapping(obj, items, lambda name, v: walk(v, f"{path}.{name}"))
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+            return type(obj)(*(walk(v, f"{path}.{f}") for f, v in zip(obj._fields, obj)))
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(walk(v, f"{path}[{i}]") for i, v in enumerate(obj))
+        if isinstance(obj, deque):  # a history of frames: neither list nor tuple, so it was passed over unmoved
+            return type(obj)((walk(v, f"{path}[{i}]") for i, v in enumerate(obj)), obj.maxlen)
+        if isinstance(obj, (set, frozenset)):
+            return type(obj)(walk(v, f"{path}{{{i}}}") for i, v in enumerate(obj))
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            # a copy, its attributes set: not dataclasses.replace, whose __init__ runs __post_init__ again (a
+            # scaling there applied twice, silently) and refuses an InitVar; the attributes __post_init__ made,
+            # and those set since, are mapped with the fields (a mask derived there is moved too)
+            new = copy.copy(obj)
+            for name, value in _attributes(obj):
+                object.__setattr__(new, name, walk(value, f"{path}.{name}"))  # (a frozen one's too)
+            return new
+        found = _find_array_leaf(obj, path)
+        if found is not None:
+            name = type(obj).__name__
+            method = remedy.split("(", 1)[0]
+            if callable(getattr(obj, method, None)):  # it has one, which the hook found no move (to_device's)
+                why = f"{type(refused).__name__}: {refused}" if refused is not None else "it refused the device"
+                fix = (f"its own {method}() is no device move ({why}); put its values in the batch as a tensor, or "
+                       f"in a dataclass, or make its {remedy} work")
+            else:
+                fix = f"implement {remedy} on {name} (see stoker.device.pin.Pinnable) or make it a dataclass"
+            raise TypeError(f"cannot move {found} ({name} at {path} holds array data stoker does not know how to "
+                            f"reach): {fix}") from refused
         return obj
-    refused: BaseException | None = None  # what the object's own method raised, where the hook declined it so
-    if hook is not None and not isinstance(obj, (Mapping, list, tuple)):
-        handled = hook(obj)
-        if isinstance(handled, _Declined):
-            refused = handled.error
-        elif handled is not NotImplemented:
-            return handled
-
-    def walk(value: Any, where: str) -> Any:
-        return map_batch(value, leaf, where, hook, remedy)
-
-    if isinstance(obj, Mapping):
-        items = {k: walk(v, f"{path}[{k!r}]") for k, v in obj.items()}
-        if type(obj) is dict:
-            return items
-        return _rebuilt_mapping(obj, items, lambda name, v: walk(v, f"{path}.{name}"))
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(walk(v, f"{path}.{f}") for f, v in zip(obj._fields, obj)))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(walk(v, f"{path}[{i}]") for i, v in enumerate(obj))
-    if isinstance(obj, deque):  # a history of frames: neither list nor tuple, so it was passed over unmoved
-        return type(obj)((walk(v, f"{path}[{i}]") for i, v in enumerate(obj)), obj.maxlen)
-    if isinstance(obj, (set, frozenset)):
-        return type(obj)(walk(v, f"{path}{{{i}}}") for i, v in enumerate(obj))
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        init = {f.name: walk(getattr(obj, f.name), f"{path}.{f.name}") for f in dataclasses.fields(obj) if f.init}
-        new = dataclasses.replace(obj, **init)
-        for f in dataclasses.fields(obj):
-            if not f.init and hasattr(obj, f.name):
-                object.__setattr__(new, f.name, walk(getattr(obj, f.name), f"{path}.{f.name}"))
-        return new
-    found = _find_array_leaf(obj, path)
-    if found is not None:
-        name = type(obj).__name__
-        method = remedy.split("(", 1)[0]
-        if callable(getattr(obj, method, None)):  # it has one, which the hook found no move (to_device's)
-            why = f"{type(refused).__name__}: {refused}" if refused is not None else "it refused the device"
-            fix = (f"its own {method}() is no device move ({why}); put its values in the batch as a tensor, or "
-                   f"in a dataclass, or make its {remedy} work")
-        else:
-            fix = f"implement {remedy} on {name} (see stoker.device.pin.Pinnable) or make it a dataclass"
-        raise TypeError(f"cannot move {found} ({name} at {path} holds array data stoker does not know how to "
-                        f"reach): {fix}") from refused
-    return obj
 
 
 class _Declined:
@@ -173,22 +239,51 @@ def _rebuilt_mapping(obj: Mapping, items: dict, attribute: Callable[[str, Any], 
         rebuilt.update(items)
         if not holds_items(rebuilt):
             return items
-        if hasattr(rebuilt, "__dict__"):  # the copy's attributes are the input's: mapped (a dict keeps no items there)
-            for name, value in list(rebuilt.__dict__.items()):
-                rebuilt.__dict__[name] = attribute(name, value)
+        for name, value in _attributes(rebuilt):  # the copy's are the input's: mapped (a dict keeps no items there)
+            _set_attribute(rebuilt, name, attribute(name, value))
         return rebuilt if holds_items(rebuilt) else items
-    if hasattr(obj, "__dict__") and hasattr(rebuilt, "__dict__"):
-        for name, value in obj.__dict__.items():
-            had = rebuilt.__dict__.get(name, _MISSING)
-            rebuilt.__dict__[name] = value
-            if not holds_items(rebuilt):  # the attribute was the items' storage: keep the rebuilt one
-                if had is _MISSING:
-                    del rebuilt.__dict__[name]
-                else:
-                    rebuilt.__dict__[name] = had
-            else:  # an attribute of its own: mapped (not walked before this test: the storage is walked once)
-                rebuilt.__dict__[name] = attribute(name, value)
+    for name, value in _attributes(obj):
+        had = _get_attribute(rebuilt, name)
+        if not _set_attribute(rebuilt, name, value):
+            continue
+        if not holds_items(rebuilt):  # the attribute was the items' storage: keep the rebuilt one
+            _set_attribute(rebuilt, name, had)
+        else:  # an attribute of its own: mapped (not walked before this test: the storage is walked once)
+            _set_attribute(rebuilt, name, attribute(name, value))
     return rebuilt if holds_items(rebuilt) else items
+
+
+def _get_attribute(obj: Any, name: str) -> Any:
+    """``obj``'s own attribute ``name`` (in its ``__dict__`` or a slot), or :data:`_MISSING`."""
+    held = getattr(obj, "__dict__", {})
+    if name in held:
+        return held[name]
+    try:
+        return object.__getattribute__(obj, name) if name in _slot_names(type(obj)) else _MISSING
+    except AttributeError:
+        return _MISSING
+
+
+def _set_attribute(obj: Any, name: str, value: Any) -> bool:
+    """Set (or, to :data:`_MISSING`, delete) ``obj``'s own attribute ``name``: a slot where its type has one,
+    else in its ``__dict__`` (no ``__setattr__`` of its own run). False where it can hold no such attribute."""
+    if name in _slot_names(type(obj)):
+        if value is _MISSING:
+            try:
+                object.__delattr__(obj, name)
+            except AttributeError:
+                pass
+        else:
+            object.__setattr__(obj, name, value)
+        return True
+    held = getattr(obj, "__dict__", None)
+    if held is None:
+        return False
+    if value is _MISSING:
+        held.pop(name, None)
+    else:
+        held[name] = value
+    return True
 
 
 _MISSING = object()
@@ -228,8 +323,7 @@ def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
             values = list(obj)
         elif in_objects < _MAX_OBJECT_DEPTH:
             in_objects += 1
-            values = list(getattr(obj, "__dict__", {}).values())
-            values += [getattr(obj, n) for n in getattr(type(obj), "__slots__", ()) if hasattr(obj, n)]
+            values = [v for _, v in _attributes(obj)]
         else:
             continue
         todo.extend((v, in_objects) for v in reversed(values))

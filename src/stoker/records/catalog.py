@@ -34,6 +34,7 @@ from ..storage import LocalStore
 from ..storage.artifacts import precomputed_dir
 from ..storage.hierarchy import MAX_DOCUMENT_BYTES
 from ..storage.locate import default_stores, locate
+from ..runtime.callers import user_stacklevel
 from ..storage.store import get_many
 from ..storage.uri import join_key
 from ..zarr.metadata import parse_json
@@ -125,7 +126,7 @@ def warn_headless(root: str, folders: Sequence[str]) -> None:
         "not records and are left out of the dataset. If one is meant to be a record, write its group document: "
         f"zarr.open_group('{join_key(root, folders[0])}', mode='a', zarr_format=<its arrays' format>) (writing "
         "arrays straight to root/<record>/<array> writes none); if not, nothing needs to change",
-        RuntimeWarning, stacklevel=2)
+        RuntimeWarning, stacklevel=user_stacklevel())  # the user's call (a dataset's constructor, scan), not ours
 
 
 def list_records(root: str, store: LocalStore) -> list[str]:

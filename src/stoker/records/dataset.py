@@ -265,8 +265,10 @@ class ZarrRecords(torch.utils.data.Dataset):
         Each field is judged alone (fields differ: a per-record label has one "step" while the positions have
         many, and a minimum over fields would call every record short). A field whose dims name ``"T"`` is
         named wherever it is short. A field given without dims is sliced along axis 0 only by presumption: it is
-        named wherever it is short if it reaches ``time_slice`` in some record (a series of varied lengths), or
-        if no field does (``time_slice`` longer than every record); one that reaches it nowhere while another
+        named wherever it is short if it reaches ``time_slice`` in some record, if its length differs between
+        records (a series of varied lengths: one short of ``time_slice`` everywhere is still sliced along that
+        axis, and any record that reaches it would be cut), or if no field reaches it (``time_slice`` longer
+        than every record); one of the same length in every record that reaches it nowhere while another
         field does is taken as no time series (a label, a per-record table): it comes out whole, unwarned."""
         k, cat = self._time_slice, self._catalog
         if k is None:
@@ -281,7 +283,8 @@ class ZarrRecords(torch.utils.data.Dataset):
         for name, t in steps.items():
             short = np.flatnonzero(t < k)
             named_time = cat.specs.get(name) is not None
-            if not short.size or not (named_time or (t >= k).any() or not reached):
+            varied = bool((t != t[0]).any())  # a length of its own in each record: a series, not a label
+            if not short.size or not (named_time or (t >= k).any() or not reached or varied):
                 continue
             presumed |= not named_time
             shown = ", ".join(f"{cat.names[b]!r} (T={int(t[b])})" for b in short[:5])

@@ -16,9 +16,13 @@ class SizedLRU(Generic[V]):
     >>> index = cache.get_or_load(("shard", 0), lambda: load_index())
     """
 
-    def __init__(self, max_bytes: int, sizeof: Callable[[V], int]) -> None:
+    def __init__(self, max_bytes: int, sizeof: Callable[[V], int],
+                 evicted: Callable[[list[V]], None] | None = None) -> None:
+        """``evicted(values)``: told the values a :meth:`put` evicted (past the bound) or replaced by another
+        object, after it and outside the lock, so that what else keeps them may drop them too."""
         self.max_bytes = max_bytes
         self._sizeof = sizeof
+        self._evicted = evicted
         self._items: OrderedDict[Hashable, tuple[V, int]] = OrderedDict()
         self._bytes = 0
         self._nones: set[Hashable] = set()  # the keys cached as None ("there is none"): see forget_nones
@@ -89,10 +93,13 @@ class SizedLRU(Generic[V]):
         """Cache ``value`` as ``key`` (replacing what was), evicting the least recently used past the bound; a
         value weighing more than the whole bound is not kept."""
         size = self._sizeof(value)
+        dropped = []
         with self._lock:
             old = self._items.pop(key, None)
             if old is not None:
                 self._bytes -= old[1]
+                if old[0] is not value:
+                    dropped.append(old[0])
             self._nones.discard(key)
             if size <= self.max_bytes:
                 self._items[key] = (value, size)
@@ -100,9 +107,12 @@ class SizedLRU(Generic[V]):
                 if value is None:
                     self._nones.add(key)
                 while self._bytes > self.max_bytes:
-                    gone, (_, evicted) = self._items.popitem(last=False)
+                    gone, (old_value, evicted) = self._items.popitem(last=False)
                     self._bytes -= evicted
                     self._nones.discard(gone)
+                    dropped.append(old_value)
+        if dropped and self._evicted is not None:
+            self._evicted(dropped)
 
     def discard(self, key: Hashable, when: Callable[[V], bool] | None = None) -> None:
         """Drop ``key``'s value if it is cached (and ``when(value)`` is true, when given)."""

@@ -43,7 +43,8 @@ is never served) and the bytes. Rules that make one folder safe for many process
 - **Failure is a miss**: a folder that cannot be created or written (read-only, full disk), or an entry
   larger than ``cache_bytes``, makes writes stop (one ``RuntimeWarning``); reads go on uncached.
 
-Writes are queued to one daemon thread per folder, so a fetch never waits for a disk write. It writes what is
+Writes are queued to one daemon thread per folder (it leaves when idle for :data:`WRITER_IDLE_S`, the reader
+threads as theirs do), so a fetch never waits for a disk write. It writes what is
 queued in batches (:data:`BATCH_ENTRIES`; :data:`BATCH_BYTES` and a tenth of ``cache_bytes`` reserved): one
 hold of the lock, one reservation and one count for them all, and their files made by the compiled engine's
 ``write_entries`` (csrc/entries.c) with the GIL released once for the batch (:func:`use_entry_writer`;
@@ -82,7 +83,7 @@ from .. import checks
 from ..errors import InternalError, InvalidArgument, ShutdownError, ThreadStartError
 from ..runtime.faults import serve
 from ..runtime.memo import remember
-from ..runtime.workers import DaemonPool
+from ..runtime.workers import IDLE_RETIRE_S, DaemonPool
 from .fsutil import HOST, removing_dead_temp_files
 
 #: The entry header: magic, crc32c of ident + payload, ident length, payload length.
@@ -115,6 +116,9 @@ _LAYOUT = "v1"
 #: Threads per folder and process that read hits for CachingStore.start_get_many (its HEADs are not waited for
 #: here but on the store's event loop; only a key gone stale in between is revalidated on one of these).
 READ_THREADS = 4
+#: How long the writer thread waits for work before it leaves (started again by the next put): a cache whose
+#: pipelines are all closed keeps no thread waking for ever.
+WRITER_IDLE_S = IDLE_RETIRE_S
 #: The environment variable naming the default cache folder.
 CACHE_DIR_ENV = "STOKER_CACHE_DIR"
 #: The bound of a cache whose folder is given without ``cache_bytes``.
@@ -480,8 +484,13 @@ class DiskCache:
     def _drain(self) -> None:
         while True:
             with self._cond:
+                idle_since = time.monotonic()
                 while not self._queue:
-                    self._cond.wait(1.0)
+                    left = WRITER_IDLE_S - (time.monotonic() - idle_since)
+                    if left <= 0:  # idle that long (every pipeline of the cache closed?): the thread leaves, and
+                        self._thread = None  # the next put starts another (both under the lock: none is missed)
+                        return
+                    self._cond.wait(min(left, 1.0))
                 batch = self._take()
                 self._busy = True
             unwritten = True

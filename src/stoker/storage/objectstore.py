@@ -460,9 +460,9 @@ class ObjectStore(Store):
         """What the ``attempt``-th try of ``what`` of ``key`` (the first made at ``started``, monotonic) failing
         with ``exc`` means: None to try again after a backoff (it may pass, and tries and time are left), else
         the error to raise (NotFound for a missing key; a StorageError naming the key, status and tries)."""
+        if _NO_BUCKET in str(exc):  # a GET's 404 body (a HEAD's has none: read as a missing key); a listing's
+            return missing_bucket(self.uri, key, what)  # comes as obstore's generic error, not FileNotFoundError
         if isinstance(exc, FileNotFoundError):
-            if _NO_BUCKET in str(exc):  # a GET's 404 body (a HEAD's has none: read as a missing key)
-                return missing_bucket(self.uri, key)
             return not_found(self.uri, key)
         if isinstance(exc, StorageError):  # permanent, raised by op (a range past the end of the value)
             exc.attempts = exc.context["attempts"] = attempt

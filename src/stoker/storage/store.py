@@ -238,14 +238,16 @@ def not_found(uri: str, key: str) -> NotFound:
     return NotFound(f"{uri}: no value at key {key!r}", uri=uri, key=key)
 
 
-def missing_bucket(uri: str, key: str) -> NotFound:
+def missing_bucket(uri: str, key: str, what: str = "read") -> NotFound:
     """NotFound for ``key`` of the store at ``uri`` (``s3://bucket/...``) whose bucket the server says does not
-    exist. Its context says so (``missing="bucket"``, see :func:`bucket_missing`): readers that take a missing
-    optional document as none raise it on, since nothing under the bucket can be read and "no array at ..."
-    would send one looking for a wrong path where the bucket's name, endpoint or region is what is wrong."""
+    exist (answering the ``what`` of the key: a read, a listing). Its context says so (``missing="bucket"``, see
+    :func:`bucket_missing`): readers that take a missing optional document as none raise it on, since nothing
+    under the bucket can be read and "no array at ..." would send one looking for a wrong path where the
+    bucket's name, endpoint or region is what is wrong."""
     bucket = uri.split("://", 1)[-1].split("/", 1)[0]
-    return NotFound(f"{uri}: bucket {bucket!r} does not exist (the server said so reading key {key!r}); check the "
-                    "bucket's name in the URI, and the endpoint and region (storage_options or the environment)",
+    return NotFound(f"{uri}: bucket {bucket!r} does not exist (the server said so to a {what} of key {key!r}); "
+                    "check the bucket's name in the URI, and the endpoint and region (storage_options or the "
+                    "environment)",
                     uri=uri, key=key, bucket=bucket, missing="bucket")
 
 

@@ -48,6 +48,8 @@ from .prefetch import Ahead, Revalidated, indexes_ahead, revalidate_ahead
 from ..stats import StatsRecorder
 
 _MAX_OPEN_ARRAYS = 16384
+# readers evicted from the open arrays told to the executors together (each tells scans their kept descriptions)
+_FORGET_EVICTED_AT = 64
 # remote arrays opened together (threads waiting on their metadata): the batches pulled at once, eight of eight
 # samples each of an array of its own, in one round trip (sixteen made a stream of new arrays at 100 ms a request
 # wait 24 ms a batch for its opens: scenario 6, 94-106 samples/s against 120-135 with 64); per I/O thread
@@ -133,7 +135,9 @@ class Coordinator:
         self.thread: threading.Thread | None = None
         self._batch_ids = itertools.count()
         self._index_cache = SizedLRU(DEFAULT_INDEX_CACHE_BYTES, index_size)
-        self._readers: SizedLRU = SizedLRU(_MAX_OPEN_ARRAYS, lambda _: 1)
+        self._readers: SizedLRU = SizedLRU(_MAX_OPEN_ARRAYS, lambda _: 1, evicted=self._evicted)
+        self._dropped: list[ArrayReader] = []  # readers evicted, not told to the executors yet (see _evicted)
+        self._dropped_lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
         self._channels_checked: set[tuple[str, ...]] = set()  # groups of channels whose dimensions agree
         self._used_up = False  # the pushes so far were used up (Pipeline.drop_used_up): the next push checks them
         self._dtypes: dict = {}  # the batch dtype of each source dtype (numpy's), as batch_dtype settles it
@@ -171,6 +175,23 @@ class Coordinator:
         """The array at ``uri``, opened once per pipeline (metadata and shard indexes cached)."""
         return self._readers.get_or_load(uri, lambda: self._load(uri))
 
+    def _evicted(self, readers: list[ArrayReader]) -> None:
+        """Readers the open arrays' bound evicted (on the thread that opened another): the executors are told,
+        :data:`_FORGET_EVICTED_AT` at a time, and the rest at :meth:`forget_rewritten`. Untold, their
+        descriptions kept each reader, and through it its store: once the zip archive it was read from was
+        replaced, the old archive's open file for as long as the pipeline lived."""
+        with self._dropped_lock:
+            self._dropped.extend(readers)
+            if len(self._dropped) < _FORGET_EVICTED_AT:
+                return
+            told, self._dropped = self._dropped, []
+        self._tell_forgotten(told)
+
+    def _tell_forgotten(self, readers: list[ArrayReader]) -> None:
+        """The executors forget what they keep of ``readers``, arrays the pipeline forgot."""
+        for executor in [self.executor, *self.lanes.executors()]:
+            executor.forget(readers)
+
     def _load(self, uri: str) -> ArrayReader:
         options = options_for(self.cfg.storage_options, uri)
         local = metadata_stats(uri)  # before the read: a rewrite during the open is told at the next look
@@ -196,20 +217,21 @@ class Coordinator:
         over it) are forgotten with its store: kept, they read the old archive's bytes through its open file.
         Arrays in object stores are not looked at: their objects' bytes are revalidated by their stores
         (cache_staleness_s), but a layout changed there needs a new pipeline."""
-        forgotten = []
+        with self._dropped_lock:  # those evicted since they were last told: one may read a replaced archive
+            forgotten, self._dropped = self._dropped, []
+        n_evicted = len(forgotten)
         replaced = self.stores.forget_changed_archives()  # their next open reads the new archive's directory
         for uri, reader in self._readers.items():
             metas = reader.derived.get("metadata_files")
             if (metas is not None and metadata_identity(uri) != metas) or any(reader.kv is k for k in replaced):
                 self._readers.discard(uri)
                 forgotten.append(reader)
-        if forgotten:  # a rewritten array may name its dimensions anew
+        if len(forgotten) > n_evicted:  # a rewritten array may name its dimensions anew
             self._channels_checked.clear()
-            # and the executors forget what they keep of them: kept, their descriptions held the readers and
-            # through them a replaced archive's store, whose file stayed open as long as the pipeline
-            for executor in [self.executor, *self.lanes.executors()]:
-                executor.forget(forgotten)
-        return len(forgotten)
+        if forgotten:  # and the executors forget what they keep of them: kept, their descriptions held the
+            # readers and through them a replaced archive's store, whose file stayed open as long as the pipeline
+            self._tell_forgotten(forgotten)
+        return len(forgotten) - n_evicted
 
     def _open_all(self, uris: list[str]) -> list[ArrayReader]:
         """The arrays at ``uris``. Those in remote stores not open yet are opened at once, on the pipeline's
