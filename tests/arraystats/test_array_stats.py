@@ -553,6 +553,33 @@ def test_arrays_in_stores_cache_in_the_local_cache_and_see_rewrites(tmp_path, mo
         s3.stop()
 
 
+@pytest.mark.timeout(180)
+def test_the_samplers_storage_options_serve_arrays_in_a_store_beside_local_ones(tmp_path, monkeypatch):
+    """Config's and the samplers' {URI prefix: options} work here too: each array gets its prefix's options (a
+    local one none), so channels from a bucket and a local disk, and cfg.storage_options, need no other dict."""
+    from store_fixtures import BUCKET, MotoS3, read_tree
+
+    monkeypatch.setenv("STOKER_CACHE", str(tmp_path / "cache"))
+    rng = np.random.default_rng(4)
+    a = write(tmp_path / "tree" / "a.zarr", rng.normal(3, 2, size=(20, 12)).astype(np.float32), (7, 5))
+    b = write(tmp_path / "b.zarr", rng.normal(-1, 5, size=(20, 12)).astype(np.float32), (6, 6))
+    s3 = MotoS3(read_tree(str(tmp_path / "tree")), "prefixed")
+    try:
+        remote = f"s3://{BUCKET}/prefixed/a.zarr"
+        cfg = stoker.Config(batch_size=2, storage_options={f"s3://{BUCKET}/": s3.options})
+        st = stoker.compute_stats([[remote, b]], storage_options=cfg.storage_options, cache=False)[0]
+        for c, uri in enumerate((a, b)):
+            want = truth(uri)
+            np.testing.assert_allclose(st.mean[c].item(), want["mean"], rtol=1e-12)
+            np.testing.assert_allclose(st.std[c].item(), want["std"], rtol=1e-12)
+        # one URI's options, as before
+        assert_matches(stoker.compute_stats(remote, storage_options=s3.options, cache=False), truth(a))
+        with pytest.raises(InvalidArgument, match="remote URI prefix"):  # a mix of the two forms is neither
+            stoker.compute_stats(remote, storage_options={f"s3://{BUCKET}/": s3.options, "region": "x"})
+    finally:
+        s3.stop()
+
+
 def test_dataloader_page_example_runs(tmp_path, monkeypatch):
     """docs/dataloader.md's "Statistics of arrays" example runs as written and says what it shows."""
     import re

@@ -31,7 +31,7 @@ import numbers
 import os
 import time
 import warnings
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -46,7 +46,7 @@ from ..records.moments import F64, Moments
 from ..records.stats import FieldStats, cached_entry
 from ..storage.artifacts import dataset_identity
 from ..storage.local import LocalStore
-from ..storage.locate import locate
+from ..storage.locate import check_options_by_prefix, locate, options_for
 from . import identity
 from .inputs import Box, parse_entries, parse_region
 from .ordered import ordered_map
@@ -330,6 +330,18 @@ def _open(uri: str, region: Any, channel_axis: int | None, nonfinite: str, cache
     return reader, box, axis, fp
 
 
+def _options_of(storage_options: Any) -> Callable[[str], Any]:
+    """``uri -> its storage options``: one URI's options (``open_array``'s form) for every array, or, given as
+    ``{URI prefix: options}`` (``Config.storage_options`` and the samplers' form, every key a remote URI
+    prefix), those of each array's longest prefix (none for a local array). obstore's keys hold no ``://``, so
+    the two forms cannot be taken for each other (a mix is an InvalidArgument naming the key that is no prefix)."""
+    if isinstance(storage_options, dict) and storage_options and \
+            any(isinstance(k, str) and "://" in k for k in storage_options):
+        by_prefix = check_options_by_prefix(storage_options, "compute_stats: storage_options")
+        return lambda uri: options_for(by_prefix, uri)
+    return lambda uri: storage_options
+
+
 def _one_array(uri: str, region: Any, channel_axis: int | None, nonfinite: str, group: Any, cache: bool,
                threads: int, timeout_s: float, progress: bool, storage_options: dict | None,
                store: LocalStore | None, cf: bool = True) -> tuple[FieldStats, Box]:
@@ -438,7 +450,9 @@ def compute_array_stats(arrays_or_fields: Any, region: Any = None, *, channel_ax
     a store: its folder of ``$STOKER_CACHE``), keyed by its metadata, the region, ``channel_axis``,
     ``nonfinite`` and the identity of every stored file (size and time; objects: ETag), so a rewritten chunk
     recomputes it; a cache hit reads no chunk. ``store``: the :class:`~stoker.storage.LocalStore` local
-    arrays are read through (its counters count the reads).
+    arrays are read through (its counters count the reads). ``storage_options``: the options of the arrays'
+    store (as ``open_array`` takes them), or ``{URI prefix: options}`` as ``Config`` and the samplers take
+    them (each array gets those of its longest prefix: arrays in several stores, or local ones beside them).
 
     >>> st = stoker.compute_stats("/data/t2m.zarr", region={0: (0, 8760)})      # one year of hours
     >>> st.mean, st.std, st.skipped                                            # float64 scalars, NaN count
@@ -467,11 +481,12 @@ def compute_array_stats(arrays_or_fields: Any, region: Any = None, *, channel_ax
                                       f"channel_axis={channel_axis} asks for channels along an axis too; give "
                                       "one or the other", knob="channel_axis")
     got: dict[str, tuple[FieldStats, Box]] = {}
+    options_of = _options_of(storage_options)
     for e in entries:  # each array once, in the order given (every rank alike)
         for uri in e.uris:
             if uri not in got:
                 got[uri] = _one_array(uri, region, channel_axis, nonfinite, group, cache, threads, float(timeout_s),
-                                      progress, storage_options, store, bool(cf))
+                                      progress, options_of(uri), store, bool(cf))
     results = [_stack(e.key, e.uris, got) if e.channels else got[e.uris[0]][0] for e in entries]
     if kind == "one":
         return results[0]
