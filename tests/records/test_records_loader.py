@@ -237,9 +237,19 @@ def test_breaking_out_continues_where_it_stopped(ds):
     # Without set_epoch, iterating a complete epoch moves on to the next one.
     assert len(loader) == len(want)
     assert ids(loader) != want and loader.epoch == 1
-    # After set_epoch (or load_state_dict) a complete epoch stays complete: a resumed loop finds nothing left.
+    # After load_state_dict, set_epoch of the loaded epoch keeps its position: a complete epoch stays complete
+    # (a resumed loop finds nothing left); set_epoch of an epoch iterated since starts it again (an evaluation
+    # loop that calls set_epoch(0) before each pass sees every batch each time).
+    done = loader.state_dict()
+    fresh = Loader(ds, 3, seed=1)
+    fresh.set_epoch(1)
+    epoch1 = ids(fresh)
+    loader.load_state_dict(done)
     loader.set_epoch(1)
     assert len(loader) == 0 and ids(loader) == [] and loader.epoch == 1
+    loader.set_epoch(1)
+    assert len(loader) == len(want) and loader.epoch == 1
+    assert ids(loader) == epoch1 != want
 
 
 def test_resume_on_another_world_size_skips_and_repeats_nothing(ds):

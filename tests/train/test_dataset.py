@@ -88,6 +88,50 @@ def test_set_epoch_starts_that_epoch_from_its_first_batch(group):
     del it
 
 
+def test_the_usual_epoch_loop_after_a_resume_repeats_and_skips_nothing(group):
+    """load_state_dict, then ``for epoch in range(saved, n): ds.set_epoch(epoch)`` (the loop every training
+    script has): the resumed epoch continues after the checkpoint's batch, as an uninterrupted run; a
+    checkpoint at an epoch's end leaves that epoch nothing; set_epoch once an iteration has started starts the
+    epoch again."""
+    uris, data = group
+    cfg = stoker.Config(**CFG)
+    for consumed in (2, 6):
+        ds = stoker.CropDataset(_source(uris).for_rank(0, 1), cfg, copy=True)
+        ds.set_epoch(1)
+        before = []
+        for x in DataLoader(ds, batch_size=None):
+            before.append(x)
+            if len(before) == consumed:
+                saved = ds.state_dict()  # as a checkpoint inside the loop takes it
+                break
+        resumed = stoker.CropDataset(_source(uris).for_rank(0, 1), cfg, copy=True)
+        resumed.load_state_dict(saved)
+        after = {}
+        for epoch in (1, 2):
+            resumed.set_epoch(epoch)
+            after[epoch] = list(DataLoader(resumed, batch_size=None))
+        got = torch.cat(before + after[1]).numpy() if after[1] else torch.cat(before).numpy()
+        assert np.array_equal(got, _oracle(data, _epoch_samples(uris, 1)))
+        assert np.array_equal(torch.cat(after[2]).numpy(), _oracle(data, _epoch_samples(uris, 2)))
+        resumed.set_epoch(2)  # iterated since the load: epoch 2 again, from its first batch
+        assert len(resumed) == 6
+
+
+def test_a_rank_share_resumed_in_the_usual_loop_continues_its_epoch(group):
+    uris, _ = group
+    whole = [s.aabb for s in _source(uris).for_rank(0, 1)]  # epoch 0 uninterrupted
+    share = _source(uris).for_rank(0, 1)
+    it = iter(share)
+    head = [next(it).aabb for _ in range(5)]
+    saved = it.state_after(5)  # (what a pipeline reports after 5 samples popped)
+    resumed = _source(uris).for_rank(0, 1)
+    resumed.load_state_dict(saved)
+    resumed.set_epoch(0)  # kept: the loaded position
+    assert head + [s.aabb for s in resumed] == whole
+    resumed.set_epoch(0)  # iterated since: the epoch from its first sample
+    assert [s.aabb for s in resumed] == whole
+
+
 def test_zero_copy_batches_are_not_overwritten_while_held(group):
     """Holding every batch of a zero-copy dataset: the slots are not reused under them, so the pipeline runs
     out of slots and says so (PoolStarved naming the fix) rather than overwrite one."""

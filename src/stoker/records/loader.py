@@ -144,6 +144,7 @@ class Loader:
         self._cursor = EpochCursor(self._size, rank, world_size, "strided", self._even)
         self._received = 0
         self._hold = False  # set_epoch/load_state_dict chose this epoch: do not leave it when complete
+        self._loaded = False  # the position is one load_state_dict gave, no iteration started from it yet
         self._work: _Work | None = None
         # the threads of an iteration that ended at an error, not waited for then (the error is reported at
         # once): close() waits for them, as it does for a running iteration's
@@ -197,12 +198,20 @@ class Loader:
         return self._left()
 
     def set_epoch(self, epoch: int) -> None:
-        """Go to the start of ``epoch``; keep the position when the loader is in ``epoch`` already."""
+        """Go to the start of ``epoch``; right after :meth:`load_state_dict` of a position in ``epoch`` (no
+        iteration since), keep that position, so the usual loop resumes exactly::
+
+            loader.load_state_dict(saved)            # epoch 3, 5 batches in
+            for epoch in range(3, n_epochs):
+                loader.set_epoch(epoch)              # epoch 3 continues with its batch 6
+                for batch in loader: ...
+        """
         epoch = integer("epoch", epoch, 0)
-        if epoch != self._cursor.epoch:
+        if epoch != self._cursor.epoch or not self._loaded:
             self._stop_work()
             self._cursor.place(epoch, [], 0)
             self._received = 0
+            self._loaded = False
         self._hold = True
 
     # -- state -------------------------------------------------------------------------------
@@ -250,6 +259,7 @@ class Loader:
         self._cursor.load(saved, keep_split=True)
         self._received = 0
         self._hold = True
+        self._loaded = True
 
     # -- iteration ---------------------------------------------------------------------------
 
@@ -260,7 +270,7 @@ class Loader:
         if self._moves_on():
             self._cursor.place(self._cursor.epoch + 1, [], 0)
             self._received = 0
-        self._hold = False
+        self._hold = self._loaded = False
         batches = self._run_batches()[self._received:]
         pin = self.device is not None and self.device.type == "cuda"
         self._work = _Work(self.ds, batches, self.collate, pin, self.n_threads, self.prefetch, self.transform)

@@ -789,6 +789,9 @@ class RankShare:
         self.cursor = EpochCursor(len(source), rank, world_size, policy, even)
         self.source = source
         self.rank, self.world_size, self.policy, self.even = self.cursor.rank, self.cursor.world_size, policy, even
+        # the epoch of a position load_state_dict gave and no iteration has started from yet: set_epoch of that
+        # epoch keeps it (the usual epoch loop after a resume), any other starts its epoch from the beginning
+        self._loaded: int | None = None
 
     @property
     def epoch(self) -> int:
@@ -810,16 +813,29 @@ class RankShare:
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` from its beginning (call it on every rank, like DistributedSampler's); an integer
-        >= 0 (InvalidArgument otherwise: a negative epoch has no order, a fraction would run another epoch)."""
-        self.cursor.place(integer("set_epoch: epoch", epoch, 0, knob="epoch"), [], 0)
+        >= 0 (InvalidArgument otherwise: a negative epoch has no order, a fraction would run another epoch).
+        Right after :meth:`load_state_dict` of a position in ``epoch`` (no iteration since), the position is
+        kept, so the usual loop resumes exactly::
+
+            mine.load_state_dict(saved)              # epoch 3, 40 samples in
+            for epoch in range(3, n_epochs):
+                mine.set_epoch(epoch)                # epoch 3 continues at sample 41
+                pipeline.push(mine)
+        """
+        epoch = integer("set_epoch: epoch", epoch, 0, knob="epoch")
+        if epoch != self._loaded:
+            self._loaded = None
+            self.cursor.place(epoch, [], 0)
 
     def __iter__(self) -> "_Cursor":
+        self._loaded = None
         return _Cursor(self, forever=False)
 
     def forever(self) -> "_Cursor":
         """An endless iterator: this epoch's remaining samples, then the next epochs'. InvalidArgument when an
         epoch gives this rank no sample (fewer samples than ranks with ``even="drop"``, or an empty source):
         the next sample would be looked for epoch after epoch, for ever."""
+        self._loaded = None
         each = partition.per_rank(len(self.source), self.world_size, self.even)
         if each == 0:
             fix = "give it samples" if not len(self.source) else \
@@ -854,6 +870,7 @@ class RankShare:
                 f"are needed{shuffled}"
             )
         self.cursor.load(saved, keep_split=True)
+        self._loaded = self.cursor.epoch
 
 
 class _Cursor:

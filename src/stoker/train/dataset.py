@@ -20,6 +20,7 @@ from typing import Any, Iterator
 
 import torch
 
+from ..checks import integer
 from ..config import Config
 from ..engine.batch import to_tensors
 from ..engine.buffers import SPARE_SLOT_BYTES
@@ -105,6 +106,11 @@ class CropDataset(torch.utils.data.IterableDataset):
         self.source, self.cfg, self.copy, self.with_samples = source, cfg, bool(copy), bool(with_samples)
         self.persistent = bool(persistent)
         self._state = source.state_dict()  # the position as of the last batch yielded
+        # the epoch of a state load_state_dict gave that no iteration has started from yet: set_epoch of that
+        # epoch keeps it (the usual epoch loop after a resume); _hold: kept so, a complete epoch stays complete
+        # (its iteration yields nothing) instead of moving on to the next epoch
+        self._loaded: int | None = None
+        self._hold = False
         self._run = 0  # bumped by every iter() and load: an older iteration stops reporting positions
         self._live: Pipeline | None = None  # the pipeline of the current iteration
         # persistent: the pipeline of the last epoch read to its end, drained, and the read_ahead it was made with
@@ -122,17 +128,32 @@ class CropDataset(torch.utils.data.IterableDataset):
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state`` at the next ``iter()`` (a state of this dataset, or of a pipeline's source,
         saved on any world size). An iteration under way ends."""
-        self._fresh(state)  # checks the fingerprint and the state now
+        loaded = self._fresh(state)  # checks the fingerprint and the state now
         # kept as given, not as this split's reading of it: a dataset given a state before the process group
         # is up (rank 0 of 1 then) resumes it on the split it was saved on exactly, its wrapped tail too
         self._state = copy.deepcopy(dict(state))
+        self._loaded, self._hold = loaded.epoch, False
         self._stop()
 
     def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch`` from its beginning at the next ``iter()``. An iteration under way ends."""
+        """Start ``epoch`` from its beginning at the next ``iter()``. An iteration under way ends. Right after
+        :meth:`load_state_dict` of a position in ``epoch`` (no iteration since) the position is kept, so the
+        usual loop resumes exactly (a position at the end of ``epoch``: that epoch yields nothing)::
+
+            ds.load_state_dict(saved)                # epoch 3, 5 batches in
+            for epoch in range(3, n_epochs):
+                ds.set_epoch(epoch)                  # epoch 3 continues with its batch 6
+                for x in DataLoader(ds, batch_size=None): ...
+        """
+        epoch = integer("set_epoch: epoch", epoch, 0, knob="epoch")
+        if self._loaded is not None and epoch == self._loaded:
+            self._hold = True
+            self._stop()
+            return
         src = self._fresh(None)
         src.set_epoch(epoch)
         self._state = src.state_dict()
+        self._loaded, self._hold = None, False
         self._stop()
 
     def close(self) -> None:
@@ -186,7 +207,7 @@ class CropDataset(torch.utils.data.IterableDataset):
     def _positioned(self) -> RankShare:
         """The source at the saved position; past the end of an epoch, at the start of the next."""
         src = self._fresh(self._state)
-        if self._batches(len(src)) == 0:
+        if self._batches(len(src)) == 0 and not self._hold:
             src.set_epoch(src.epoch + 1)
             self._state = src.state_dict()
         return src
@@ -211,6 +232,7 @@ class CropDataset(torch.utils.data.IterableDataset):
         self._stop()
         run = self._run
         source = self._positioned()
+        self._loaded, self._hold = None, False  # (a later set_epoch of this epoch starts it again)
         ahead = read_ahead(self.cfg, source) if self._complete else 0
         pipeline = self._pipeline(ahead)
         ended = False  # the epoch read to its end: a persistent dataset keeps the pipeline
