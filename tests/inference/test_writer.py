@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 import os
 import subprocess
 import sys
@@ -206,6 +207,25 @@ def test_a_shape_the_grid_refuses_makes_no_array(volume, tmp_path):
         stoker.TileWriter(str(out), SHAPE[:2], (4, 8), "f4", grid=grid)
     assert not out.exists()
     stoker.TileWriter(str(out), SHAPE, (4, 8, 8), "f4", grid=grid).close()
+
+
+@pytest.mark.parametrize("shape", [(13, 29, 20), (2, 13, 29, 20), (13, 20, 17)])
+def test_a_shape_other_than_the_tiled_arrays_is_refused(volume, tmp_path, shape):
+    """TileWriter(shape=...) one voxel wider than the array the grid tiles was taken: the regions past it
+    kept the fill value with a warning that blamed the stride ("longer than its tile", which it was not); a
+    narrower shape failed only at the first tile past it. Both are refused before anything is made now, as is
+    a sharded v2 output (zarr-python's ValueError before)."""
+    uri, _ = volume
+    out = tmp_path / "o.zarr"
+    grid = stoker.TileGrid([uri], TILE, stride=STRIDE)
+    with pytest.raises(stoker.InvalidArgument, match=f"grid tiles .* of shape {re.escape(str(SHAPE))}"):
+        stoker.TileWriter(str(out), shape, (4, 8, 8)[-len(shape):] if len(shape) == 3 else (2, 4, 8, 8), "f4",
+                          grid=grid)
+    assert not out.exists()
+    with pytest.raises(stoker.InvalidArgument, match="v2 has no shards"):
+        stoker.TileWriter(str(out), SHAPE, (4, 8, 8), "f4", shards=(8, 16, 16), zarr_format=2)
+    assert not out.exists()
+    stoker.TileWriter(str(out), (2,) + SHAPE, (2, 4, 8, 8), "f4", grid=grid).close()
 
 
 def test_a_restart_with_another_grid_is_refused(volume, tmp_path):

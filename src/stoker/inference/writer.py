@@ -529,6 +529,9 @@ class TileWriter:
             raise InvalidArgument(f"TileWriter(write_threads={write_threads}, write_bytes={write_bytes}, "
                                   f"write_timeout_s={write_timeout_s}): threads and bytes >= 0, a timeout > 0",
                                   knob="write_threads")
+        if shards is not None and zarr_format == 2:
+            raise InvalidArgument(f"TileWriter(shards={tuple(shards)}, zarr_format=2): Zarr v2 has no shards; use "
+                                  "zarr_format=3 for a sharded output, or leave shards out", knob="shards")
         self.uri, self.blend, self.group = str(uri), blend, group
         position = group_position(group)  # (0, 1) without a process group of several ranks
         if position[1] > 1:  # those not given: the group's (a subgroup's, not the default group's)
@@ -558,6 +561,12 @@ class TileWriter:
         self._tiles: set[Box] | None = None  # with grid=: the boxes of its tiles
         if grid is not None:  # refused before anything is made (the record keeps the crop, the store the shape)
             _check_rank(self.uri, self.shape, len(grid.sample_shape))
+            tiled = tuple(int(n) for n in grid.shapes[0])
+            if self.shape[len(self.shape) - len(tiled):] != tiled:
+                # regions past the tiled array would keep the fill value (or tiles reach past the output)
+                raise InvalidArgument(f"TileWriter(shape={self.shape}): the grid tiles {grid.arrays[0]} of shape "
+                                      f"{tiled}, so the output's shape is {tiled} (or with a channel axis first): "
+                                      "pass the shape of the array the grid tiles", uri=self.uri, knob="shape")
             self._tiles = {box_of(grid.sample(0, i)) for i in range(len(grid))}
             _refuse_holes(grid, self._tiles, _crops(crop, len(grid.sample_shape)), self.shape)
         store = array_store(self.uri, storage_options)  # a path, or zarr's ObjectStore over obstore
