@@ -349,3 +349,24 @@ def torch_numpy(batch) -> np.ndarray:
     import torch
 
     return torch.from_dlpack(batch).numpy().copy()
+
+
+@pytest.mark.parametrize("fmt", [2, 3])
+def test_a_label_image_without_the_channel_axis_is_placed_by_axis_names(tmp_path, fmt):
+    """A ``yx`` label image of a ``cyx`` image (the channel axis left out) is placed over the image's level 0 on
+    the axes they share by name: at twice the image's voxel size it has scale 2, its next level 4."""
+    image = str(tmp_path / "img.zarr")
+    _image(image, ["0", "1"], [1, 2], fmt)  # c, y, x: 1.0, 0.25, 0.25 micrometres at level 0
+    cells = zarr.open_group(f"{image}/labels/cells", mode="w", zarr_format=fmt)
+    datasets = []
+    for level, size in (("0", 0.5), ("1", 1.0)):
+        cells.create_array(level, shape=(16 // (2 ** int(level)),) * 2, chunks=(8, 8), dtype="uint32")
+        datasets.append({"path": level, "coordinateTransformations": [{"type": "scale", "scale": [size, size]}]})
+    multiscale = {"axes": [{"name": "y", "type": "space"}, {"name": "x", "type": "space"}], "datasets": datasets}
+    if fmt == 2:
+        cells.attrs.update({"multiscales": [{**multiscale, "version": "0.4"}], "image-label": {"version": "0.4"}})
+    else:
+        cells.attrs["ome"] = {"version": "0.5", "multiscales": [multiscale], "image-label": {"version": "0.5"}}
+    assert level_scale(f"{image}/labels/cells/0") == (2, 2)
+    assert level_scale(f"{image}/labels/cells/1") == (4, 4)
+    assert level_scale(f"{image}/1") == (1, 2, 2)

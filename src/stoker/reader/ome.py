@@ -76,7 +76,7 @@ def level_scale(uri: str | os.PathLike, storage_options: dict | None = None,
                 return own  # level 0 is the reference: scale 1 on every axis (None, whatever its rank)
             # a label image's level 0 is placed over its parent image's level 0 (see _parent_base), and its
             # levels over its level 0, each step checked on its own (a writer may shift one and not the other)
-            parent = _parent_base(ancestors, name, uri)
+            parent = _parent_base(ancestors, name, uri, _axis_names(multiscale))
             first = None if parent is None else \
                 _ratios(parent, _physical(multiscale, datasets[0], uri, paths[0]), uri, paths[0],
                         "the level 0 of the image whose labels/ holds it")
@@ -111,7 +111,27 @@ def _is_label_image(attrs: Any) -> bool:
     return "image-label" in (ome if isinstance(ome, dict) else attrs)
 
 
-def _parent_base(ancestors: Iterator[tuple[Any, str]], name: str, uri: str) -> "Transform | None":
+def _axis_names(multiscale: Any) -> list[str] | None:
+    """A multiscale's axis names (0.4 and 0.5: ``axes`` of ``{"name": ...}``), or None where it has none."""
+    axes = multiscale.get("axes") if isinstance(multiscale, dict) else None
+    if not isinstance(axes, list):
+        return None
+    names = [a.get("name") if isinstance(a, dict) else a for a in axes]
+    return [str(n) for n in names] if all(isinstance(n, str) for n in names) else None
+
+
+def _by_names(transform: "Transform", names: list[str] | None, mine: list[str] | None) -> "Transform":
+    """The parent image's ``transform`` on the label image's axes, picked by name where the two have other axes
+    (a ``zyx`` label image of a ``czyx`` image); as it is where the names do not say."""
+    if names is None or mine is None or names == mine or not set(mine) <= set(names):
+        return transform
+    pick = [names.index(n) for n in mine]
+    return tuple(None if t is None or len(t) != len(names) else [t[i] for i in pick]  # type: ignore[return-value]
+                 for t in transform)
+
+
+def _parent_base(ancestors: Iterator[tuple[Any, str]], name: str, uri: str,
+                 axes: list[str] | None = None) -> "Transform | None":
     """The physical ``(scale, translation)`` of level 0 of the image a label image belongs to (the spec puts it
     at ``<image>/labels/<label>``): the label's levels are placed over that image's voxels, so a label image
     written at half the image's resolution (its own level 0 of scale 2) is not taken as the reference. None
@@ -126,7 +146,8 @@ def _parent_base(ancestors: Iterator[tuple[Any, str]], name: str, uri: str) -> "
         for multiscale in multiscales:
             datasets = multiscale.get("datasets") if isinstance(multiscale, dict) else None
             if isinstance(datasets, list) and datasets:
-                return _physical(multiscale, datasets[0], uri, _dataset_path(datasets[0]))
+                return _by_names(_physical(multiscale, datasets[0], uri, _dataset_path(datasets[0])),
+                                 _axis_names(multiscale), axes)
         return None
     return None
 
