@@ -228,6 +228,27 @@ def test_a_shape_other_than_the_tiled_arrays_is_refused(volume, tmp_path, shape)
     stoker.TileWriter(str(out), (2,) + SHAPE, (2, 4, 8, 8), "f4", grid=grid).close()
 
 
+@pytest.mark.parametrize("with_grid", [True, False])
+def test_a_fractional_crop_is_refused_not_truncated(volume, tmp_path, with_grid):
+    """crop=(1.7, 1, 1) was truncated to (1, 1, 1) and written without a word, and crop=1.5 (or 2.0) failed with a
+    TypeError from inside the writer; a fraction is an InvalidArgument naming crop now, before anything is made,
+    and a whole float is the int it holds."""
+    uri, data = volume
+    tiled = stoker.TileGrid([uri], TILE, stride=STRIDE)
+    grid = tiled if with_grid else None
+    out = tmp_path / "o.zarr"
+    for crop in (1.5, (1.7, 1, 1), -1, "2"):
+        with pytest.raises(stoker.InvalidArgument, match="crop") as err:
+            stoker.TileWriter(str(out), SHAPE, (4, 8, 8), "f4", crop=crop, grid=grid)
+        assert getattr(err.value, "knob", "crop") == "crop"
+        assert not out.exists()
+    w = stoker.TileWriter(str(out), SHAPE, (4, 8, 8), "f4", crop=2.0, grid=grid, write_threads=0)
+    for tile in w.pending(tiled):
+        w.write([tile], data[tuple(slice(a, b) for a, b in tile.aabb)][None])
+    w.close()  # an identity model whose kept centres (crop 2 = (TILE - STRIDE) // 2) tile the volume
+    np.testing.assert_array_equal(zarr.open_array(str(out), mode="r")[:], data)
+
+
 def test_a_restart_with_another_grid_is_refused(volume, tmp_path):
     # The regions a writer marked hold its grid's tiles blended: a restart over another stride (or tile, or pad)
     # would keep them beside regions of the new grid, a mix no single run makes. Refused as other settings.

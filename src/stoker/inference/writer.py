@@ -61,10 +61,11 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, Sized
 
 import numpy as np
 
+from ..checks import integers
 from ..dist.collectives import active_group, all_gather_object, barrier, group_position, resolve_rank
 from ..errors import DtypeMismatch, InvalidArgument, RankFailed, StorageError
 from ..sampling.sample import Sample, box_of
@@ -529,6 +530,10 @@ class TileWriter:
             raise InvalidArgument(f"TileWriter(write_threads={write_threads}, write_bytes={write_bytes}, "
                                   f"write_timeout_s={write_timeout_s}): threads and bytes >= 0, a timeout > 0",
                                   knob="write_threads")
+        if crop is not None:  # checked now, before anything is made; its length once the tiles' rank is known
+            many = isinstance(crop, Sized) and not isinstance(crop, (str, bytes))
+            checked = _crops(crop, len(crop) if isinstance(crop, Sized) and many else 1)
+            crop = checked if many else checked[0]  # whole floats (2.0) as the ints they hold
         if shards is not None and zarr_format == 2:
             raise InvalidArgument(f"TileWriter(shards={tuple(shards)}, zarr_format=2): Zarr v2 has no shards; use "
                                   "zarr_format=3 for a sharded output, or leave shards out", knob="shards")
@@ -998,8 +1003,11 @@ def _open_output(store: Any, uri: str) -> Any:
 
 def _crops(crop: Any, ndim: int) -> tuple[int, ...]:
     """``TileWriter(crop=...)`` as a margin per spatial axis."""
-    crops = (0,) * ndim if crop is None else (int(crop),) * ndim if isinstance(crop, (int, np.integer)) \
-        else tuple(int(x) for x in crop)
+    if crop is None:
+        crops: tuple[int, ...] = (0,) * ndim
+    else:  # a fraction (1.5, or (1.7, 2)) refused, never truncated into another margin
+        scalar = not isinstance(crop, (str, bytes)) and not hasattr(crop, "__iter__")
+        crops = integers(f"TileWriter(crop={crop!r}): crop", (crop,) * ndim if scalar else crop, 0, knob="crop")
     if len(crops) != ndim or min(crops) < 0:
         raise InvalidArgument(f"TileWriter(crop={crop!r}): one non-negative margin, or one per spatial axis",
                               knob="crop")
