@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 import os
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import zarr
 
 import stoker
 from stoker.inference.record import CompletionRecord
+from stoker.inference.writer import WEIGHTED_EXACT
 from stoker.sampling.sample import box_of
 
 pytestmark = pytest.mark.timeout(180)
@@ -207,6 +209,46 @@ def test_a_shape_the_grid_refuses_makes_no_array(volume, tmp_path):
     stoker.TileWriter(str(out), SHAPE, (4, 8, 8), "f4", grid=grid).close()
 
 
+@pytest.mark.parametrize("shape", [(13, 29, 20), (2, 13, 29, 20), (13, 20, 17)])
+def test_a_shape_other_than_the_tiled_arrays_is_refused(volume, tmp_path, shape):
+    """TileWriter(shape=...) one voxel wider than the array the grid tiles was taken: the regions past it
+    kept the fill value with a warning that blamed the stride ("longer than its tile", which it was not); a
+    narrower shape failed only at the first tile past it. Both are refused before anything is made now, as is
+    a sharded v2 output (zarr-python's ValueError before)."""
+    uri, _ = volume
+    out = tmp_path / "o.zarr"
+    grid = stoker.TileGrid([uri], TILE, stride=STRIDE)
+    with pytest.raises(stoker.InvalidArgument, match=f"grid tiles .* of shape {re.escape(str(SHAPE))}"):
+        stoker.TileWriter(str(out), shape, (4, 8, 8)[-len(shape):] if len(shape) == 3 else (2, 4, 8, 8), "f4",
+                          grid=grid)
+    assert not out.exists()
+    with pytest.raises(stoker.InvalidArgument, match="v2 has no shards"):
+        stoker.TileWriter(str(out), SHAPE, (4, 8, 8), "f4", shards=(8, 16, 16), zarr_format=2)
+    assert not out.exists()
+    stoker.TileWriter(str(out), (2,) + SHAPE, (2, 4, 8, 8), "f4", grid=grid).close()
+
+
+@pytest.mark.parametrize("with_grid", [True, False])
+def test_a_fractional_crop_is_refused_not_truncated(volume, tmp_path, with_grid):
+    """crop=(1.7, 1, 1) was truncated to (1, 1, 1) and written without a word, and crop=1.5 (or 2.0) failed with a
+    TypeError from inside the writer; a fraction is an InvalidArgument naming crop now, before anything is made,
+    and a whole float is the int it holds."""
+    uri, data = volume
+    tiled = stoker.TileGrid([uri], TILE, stride=STRIDE)
+    grid = tiled if with_grid else None
+    out = tmp_path / "o.zarr"
+    for crop in (1.5, (1.7, 1, 1), -1, "2"):
+        with pytest.raises(stoker.InvalidArgument, match="crop") as err:
+            stoker.TileWriter(str(out), SHAPE, (4, 8, 8), "f4", crop=crop, grid=grid)
+        assert getattr(err.value, "knob", "crop") == "crop"
+        assert not out.exists()
+    w = stoker.TileWriter(str(out), SHAPE, (4, 8, 8), "f4", crop=2.0, grid=grid, write_threads=0)
+    for tile in w.pending(tiled):
+        w.write([tile], data[tuple(slice(a, b) for a, b in tile.aabb)][None])
+    w.close()  # an identity model whose kept centres (crop 2 = (TILE - STRIDE) // 2) tile the volume
+    np.testing.assert_array_equal(zarr.open_array(str(out), mode="r")[:], data)
+
+
 def test_a_restart_with_another_grid_is_refused(volume, tmp_path):
     # The regions a writer marked hold its grid's tiles blended: a restart over another stride (or tile, or pad)
     # would keep them beside regions of the new grid, a mix no single run makes. Refused as other settings.
@@ -344,6 +386,69 @@ def test_integer_predictions_a_float_output_would_round_are_refused(tmp_path, bl
     w.write([sample], good)
     w.close()
     np.testing.assert_array_equal(zarr.open_array(out, mode="r")[:], good[0].astype(dtype))
+
+
+@pytest.mark.parametrize("out", ["i8", "u8"])
+@pytest.mark.parametrize("blend", ["linear", "hann"])
+def test_integer_predictions_a_weighted_blend_would_round_are_refused(tmp_path, blend, out):
+    """Label ids of 2**50 + 3 (int64 predictions) into an int64 or uint64 array with a weighted blend were
+    written one to three off where tiles overlap, without a word: the float64 weighted mean of equal ids,
+    rounded, is not the id past about 2**50. A DtypeMismatch now, the batch not taken; ids up to WEIGHTED_EXACT (2**32)
+    come back exactly through the same overlaps, and blend='none' keeps every id."""
+    src = str(tmp_path / "in.zarr")
+    zarr.create_array(src, shape=(24, 24), chunks=(24, 24), dtype="u1")
+    grid = stoker.TileGrid([src], (9, 11), stride=(2, 3))  # every voxel inside is in several tiles
+    for ids, fits in ((2**50 + 3, False), (WEIGHTED_EXACT - 1, True), (WEIGHTED_EXACT, True)):
+        path = str(tmp_path / f"o{ids}.zarr")
+        w = stoker.TileWriter(path, (24, 24), (8, 8), out, blend=blend, grid=grid, write_threads=0)
+        tiles = list(w.pending(grid))
+        pred = np.full((1, 9, 11), ids, np.int64)
+        if not fits:
+            with pytest.raises(stoker.DtypeMismatch, match=f"{blend}.*2\\*\\*32.*blend='none'"):
+                w.write(tiles[:1], pred)
+            w.close()
+            continue
+        for tile in tiles:
+            w.write([tile], pred)
+        w.close()
+        np.testing.assert_array_equal(zarr.open_array(path, mode="r")[:], np.full((24, 24), ids, out))
+    path = str(tmp_path / "none.zarr")  # the same grid and ids without blending: every id kept
+    w = stoker.TileWriter(path, (24, 24), (8, 8), "i8", blend="none", grid=grid, write_threads=0)
+    for tile in w.pending(grid):
+        w.write([tile], np.full((1, 9, 11), 2**50 + 3, np.int64))
+    w.close()
+    np.testing.assert_array_equal(zarr.open_array(path, mode="r")[:], np.full((24, 24), 2**50 + 3, np.int64))
+
+
+@pytest.mark.parametrize("blend", ["none", "hann"])
+@pytest.mark.parametrize("dtype,pdtype,bad", [("f2", "f4", 70000.0), ("f2", "f4", -65520.0), ("f2", "f8", 1e300),
+                                              ("f4", "f8", 1e39), ("f2", "bf16", 2.0**20)])
+def test_finite_predictions_a_narrower_float_output_would_make_infinite_are_refused(tmp_path, blend, dtype, pdtype,
+                                                                                     bad):
+    """A finite prediction past a narrower float output's largest value (70000.0 into float16, 1e39 into float32)
+    was written as infinity, with only numpy's RuntimeWarning, where the pipeline refuses such a cast on reading:
+    a DtypeMismatch now, the batch not taken. The largest values that round to a finite one (65519 into float16:
+    65504), NaN and infinities are written as they are."""
+    src = str(tmp_path / "in.zarr")
+    zarr.create_array(src, shape=(4, 6), chunks=(4, 6), dtype="f4")
+    out = str(tmp_path / "o.zarr")
+    w = stoker.TileWriter(out, (4, 6), (2, 3), dtype, blend=blend, write_threads=0)
+    sample = stoker.Sample(src, [(0, 4), (0, 6)])
+    as_torch = {"bf16": torch.bfloat16, "f4": torch.float32, "f8": torch.float64}[pdtype]
+    pred = torch.zeros((1, 4, 6), dtype=as_torch)
+    pred[0, 1, 2] = bad
+    with pytest.raises(stoker.DtypeMismatch, match=f"infinity in .*{np.dtype(dtype)}"):
+        w.write([sample], pred)
+    top = float(np.finfo(dtype).max)
+    largest = 65519.0 if dtype == "f2" else float(np.nextafter(np.float64(float.fromhex("0x1.ffffffp127")), 0))
+    good = torch.zeros((1, 4, 6), dtype=torch.float64)
+    good[0, 0, 0], good[0, 0, 1], good[0, 1, 1] = largest, -largest, top
+    good[0, 2, 2], good[0, 3, 3], good[0, 3, 4] = float("nan"), float("inf"), -float("inf")
+    w.write([sample], good)
+    w.close()
+    got = zarr.open_array(out, mode="r")[:]
+    np.testing.assert_array_equal(got, good[0].numpy().astype(dtype))
+    assert got[0, 0] == top and got[0, 1] == -top and np.isfinite(got[0, :2]).all()
 
 
 @pytest.mark.parametrize("blend", ["none", "hann"])

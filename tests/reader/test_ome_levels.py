@@ -275,3 +275,98 @@ def test_a_group_attributes_reply_cut_short_is_read_again(tmp_path):
     finally:
         stores.close()
         server.shutdown()
+
+
+def _labelled_image(path: str, fmt: int) -> tuple[np.ndarray, np.ndarray]:
+    """An image (``s0`` full resolution, ``s1`` 2x coarser) with a label image ``labels/cells`` written at half
+    its resolution (the label's ``s0`` of physical scale 2, ``s1`` 4x the image's, shifted half a voxel of its
+    ``s0`` as ome-zarr-py's block downsampling records it) and a multiscale-level transform on the image;
+    OME-Zarr 0.4 (v2, ``image-label`` at the top) or 0.5 (v3, under ``ome``). Returns the image and the
+    labels: each label voxel holds the image voxel at its corner, so a label box read at the wrong place
+    shows."""
+    z, y, x = np.meshgrid(*[np.arange(32)] * 3, indexing="ij")
+    raw = (z * 10_000 + y * 100 + x).astype("uint32")
+    labels = raw[::2, ::2, ::2]
+    g = zarr.open_group(path, mode="w", zarr_format=fmt)
+    g.create_array("s0", shape=raw.shape, chunks=(8, 8, 8), dtype="uint32")[...] = raw
+    g.create_array("s1", shape=(16, 16, 16), chunks=(8, 8, 8), dtype="uint32")[...] = raw[::2, ::2, ::2]
+    cells = zarr.open_group(f"{path}/labels/cells", mode="w", zarr_format=fmt)
+    cells.create_array("s0", shape=labels.shape, chunks=(8, 8, 8), dtype="uint32")[...] = labels
+    cells.create_array("s1", shape=(8, 8, 8), chunks=(8, 8, 8), dtype="uint32")[...] = labels[::2, ::2, ::2]
+    axes = [{"name": a, "type": "space", "unit": "micrometer"} for a in "zyx"]
+
+    def level(scale: float, shift: float) -> dict:
+        return {"coordinateTransformations": [{"type": "scale", "scale": [scale] * 3},
+                                              {"type": "translation", "translation": [shift] * 3}]}
+
+    image = {"axes": axes, "name": "img", "datasets": [{"path": "s0", **level(1.0, 0.0)}, {"path": "s1", **level(2.0, 0.5)}],
+             "coordinateTransformations": [{"type": "scale", "scale": [0.5] * 3}]}
+    label = {"axes": axes, "name": "cells", "datasets": [{"path": "s0", **level(1.0, 0.0)}, {"path": "s1", **level(2.0, 0.5)}],
+             "coordinateTransformations": [{"type": "scale", "scale": [1.0] * 3}]}  # its level 0: 1 um, the image's 0.5
+    if fmt == 2:
+        g.attrs["multiscales"] = [{**image, "version": "0.4"}]
+        cells.attrs.update({"multiscales": [{**label, "version": "0.4"}], "image-label": {"version": "0.4"}})
+    else:
+        g.attrs["ome"] = {"version": "0.5", "multiscales": [image]}
+        cells.attrs["ome"] = {"version": "0.5", "multiscales": [label], "image-label": {"version": "0.5"}}
+    zarr.open_group(f"{path}/labels", mode="a", zarr_format=fmt).attrs.update(
+        {"labels": ["cells"]} if fmt == 2 else {"ome": {"version": "0.5", "labels": ["cells"]}})
+    return raw, labels
+
+
+@pytest.mark.parametrize("fmt", [2, 3])
+def test_a_label_image_coarser_than_its_image_is_placed_over_the_image(tmp_path, fmt):
+    """A label image at half its image's resolution (its level 0 of physical scale 2) was taken as a reference
+    of its own: its level 0 read as scale 1, so a Field over it read the labels of other voxels than the raw
+    crop's, without a word. Its levels are now placed over the image's level 0 (2 and 4, as their
+    physical scales say), and every label crop holds the labels of the raw crop's voxels."""
+    import stoker
+
+    image = str(tmp_path / "img.ome.zarr")
+    raw, labels = _labelled_image(image, fmt)
+    assert level_scale(f"{image}/s1") == (2, 2, 2)
+    assert level_scale(f"{image}/labels/cells/s0") == (2, 2, 2)
+    assert level_scale(f"{image}/labels/cells/s1") == (4, 4, 4)
+    fields = {"raw": stoker.Field(f"{image}/s0", (8, 8, 8)),
+              "labels": stoker.Field(f"{image}/labels/cells/s0", (2, 2, 2), offset=(2, 2, 2)),
+              "coarse": stoker.Field(f"{image}/labels/cells/s1", (2, 2, 2), offset=(0, 0, 0))}
+    source = stoker.RandomCrops(fields, seed=0, samples_per_epoch=12).for_rank(0, 1)
+    with stoker.Pipeline(stoker.Config(batch_size=4, dtype="i64")) as p:
+        p.push(source)
+        for _ in range(3):
+            with p.pop() as batch:
+                got = {k: torch_numpy(v) for k, v in batch.items()}
+                for i, sample in enumerate(batch.samples):
+                    a = [lo for lo, _ in sample["raw"].aabb]
+                    np.testing.assert_array_equal(got["raw"][i], raw[tuple(slice(s, s + 8) for s in a)])
+                    # the raw voxels at the labels' corners, two apart from 2 voxels in; four apart from 0
+                    np.testing.assert_array_equal(got["labels"][i], raw[tuple(slice(s + 2, s + 6, 2) for s in a)])
+                    np.testing.assert_array_equal(got["coarse"][i], raw[tuple(slice(s, s + 8, 4) for s in a)])
+    assert labels.shape == (16, 16, 16)
+
+
+def torch_numpy(batch) -> np.ndarray:
+    import torch
+
+    return torch.from_dlpack(batch).numpy().copy()
+
+
+@pytest.mark.parametrize("fmt", [2, 3])
+def test_a_label_image_without_the_channel_axis_is_placed_by_axis_names(tmp_path, fmt):
+    """A ``yx`` label image of a ``cyx`` image (the channel axis left out) is placed over the image's level 0 on
+    the axes they share by name: at twice the image's voxel size it has scale 2, its next level 4."""
+    image = str(tmp_path / "img.zarr")
+    _image(image, ["0", "1"], [1, 2], fmt)  # c, y, x: 1.0, 0.25, 0.25 micrometres at level 0
+    cells = zarr.open_group(f"{image}/labels/cells", mode="w", zarr_format=fmt)
+    datasets = []
+    for level, size in (("0", 0.5), ("1", 1.0)):
+        cells.create_array(level, shape=(16 // (2 ** int(level)),) * 2, chunks=(8, 8), dtype="uint32")
+        datasets.append({"path": level, "coordinateTransformations": [{"type": "scale", "scale": [size, size]}]})
+    multiscale = {"axes": [{"name": "y", "type": "space"}, {"name": "x", "type": "space"}], "datasets": datasets}
+    if fmt == 2:
+        cells.attrs.update({"multiscales": [{**multiscale, "version": "0.4"}], "image-label": {"version": "0.4"}})
+    else:
+        cells.attrs["ome"] = {"version": "0.5", "multiscales": [multiscale], "image-label": {"version": "0.5"}}
+    assert level_scale(f"{image}/labels/cells/0") == (2, 2)
+    assert level_scale(f"{image}/labels/cells/1") == (4, 4)
+    assert level_scale(f"{image}/1") == (1, 2, 2)

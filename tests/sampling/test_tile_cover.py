@@ -57,6 +57,25 @@ def test_the_segmentation_case_covers_the_volume(tmp_path):
     assert starts == [0, 56, 112, 160]  # the last one shifted back from 168 to end at 256
 
 
+def test_an_array_shorter_than_the_tile_is_named_not_dropped_silently(volume, tmp_path):
+    """A grid over several volumes, one of them shorter than the tile on an axis, gave that volume no tile and
+    said nothing: an evaluation or inference run skipped it whole. A warning names it now (and pad= tiles it);
+    a grid whose arrays all hold a tile warns nothing."""
+    uri, data = volume
+    small = str(tmp_path / "small.zarr")
+    zarr.create_array(small, shape=(5, 29, 7), chunks=(5, 8, 7), dtype="float32")
+    with pytest.warns(UserWarning, match=r"1 of 2 arrays .* no tile.*small\.zarr \(5, 29, 7\).*pad="):
+        grid = stoker.TileGrid([uri, small], (6, 8, 7), stride=(4, 5, 7))
+    assert {grid.sample(0, i).uri for i in range(len(grid))} == {uri}
+    padded = stoker.TileGrid([uri, small], (6, 8, 7), stride=(4, 5, 7), pad="zero")
+    assert {padded.sample(0, i).uri for i in range(len(padded))} == {uri, small}
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stoker.TileGrid([uri, uri], (6, 8, 7), stride=(4, 5, 7))
+
+
 def test_a_grid_that_fits_keeps_its_tiles_and_fingerprint_kind(volume):
     uri, _ = volume
     fits = stoker.TileGrid([uri], (13, 29, 7))

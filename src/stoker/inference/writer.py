@@ -61,10 +61,11 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, Sized
 
 import numpy as np
 
+from ..checks import integers
 from ..dist.collectives import active_group, all_gather_object, barrier, group_position, resolve_rank
 from ..errors import DtypeMismatch, InvalidArgument, RankFailed, StorageError
 from ..sampling.sample import Sample, box_of
@@ -529,6 +530,13 @@ class TileWriter:
             raise InvalidArgument(f"TileWriter(write_threads={write_threads}, write_bytes={write_bytes}, "
                                   f"write_timeout_s={write_timeout_s}): threads and bytes >= 0, a timeout > 0",
                                   knob="write_threads")
+        if crop is not None:  # checked now, before anything is made; its length once the tiles' rank is known
+            many = isinstance(crop, Sized) and not isinstance(crop, (str, bytes))
+            checked = _crops(crop, len(crop) if isinstance(crop, Sized) and many else 1)
+            crop = checked if many else checked[0]  # whole floats (2.0) as the ints they hold
+        if shards is not None and zarr_format == 2:
+            raise InvalidArgument(f"TileWriter(shards={tuple(shards)}, zarr_format=2): Zarr v2 has no shards; use "
+                                  "zarr_format=3 for a sharded output, or leave shards out", knob="shards")
         self.uri, self.blend, self.group = str(uri), blend, group
         position = group_position(group)  # (0, 1) without a process group of several ranks
         if position[1] > 1:  # those not given: the group's (a subgroup's, not the default group's)
@@ -558,6 +566,12 @@ class TileWriter:
         self._tiles: set[Box] | None = None  # with grid=: the boxes of its tiles
         if grid is not None:  # refused before anything is made (the record keeps the crop, the store the shape)
             _check_rank(self.uri, self.shape, len(grid.sample_shape))
+            tiled = tuple(int(n) for n in grid.shapes[0])
+            if self.shape[len(self.shape) - len(tiled):] != tiled:
+                # regions past the tiled array would keep the fill value (or tiles reach past the output)
+                raise InvalidArgument(f"TileWriter(shape={self.shape}): the grid tiles {grid.arrays[0]} of shape "
+                                      f"{tiled}, so the output's shape is {tiled} (or with a channel axis first): "
+                                      "pass the shape of the array the grid tiles", uri=self.uri, knob="shape")
             self._tiles = {box_of(grid.sample(0, i)) for i in range(len(grid))}
             _refuse_holes(grid, self._tiles, _crops(crop, len(grid.sample_shape)), self.shape)
         store = array_store(self.uri, storage_options)  # a path, or zarr's ObjectStore over obstore
@@ -753,7 +767,7 @@ class TileWriter:
         """Cut each prediction into the parts each region needs, into ``parts`` (by the owner's rank)."""
         if len(samples) != len(p):
             raise InvalidArgument(f"TileWriter.write: {len(samples)} samples but {len(p)} predictions")
-        _check_fits(p, self.dtype, self.uri)
+        _check_fits(p, self.dtype, self.uri, self.blend)
         for s, pred in zip(samples, p):
             aabb = box_of(s)
             if self._ndim is None:
@@ -989,8 +1003,11 @@ def _open_output(store: Any, uri: str) -> Any:
 
 def _crops(crop: Any, ndim: int) -> tuple[int, ...]:
     """``TileWriter(crop=...)`` as a margin per spatial axis."""
-    crops = (0,) * ndim if crop is None else (int(crop),) * ndim if isinstance(crop, (int, np.integer)) \
-        else tuple(int(x) for x in crop)
+    if crop is None:
+        crops: tuple[int, ...] = (0,) * ndim
+    else:  # a fraction (1.5, or (1.7, 2)) refused, never truncated into another margin
+        scalar = not isinstance(crop, (str, bytes)) and not hasattr(crop, "__iter__")
+        crops = integers(f"TileWriter(crop={crop!r}): crop", (crop,) * ndim if scalar else crop, 0, knob="crop")
     if len(crops) != ndim or min(crops) < 0:
         raise InvalidArgument(f"TileWriter(crop={crop!r}): one non-negative margin, or one per spatial axis",
                               knob="crop")
@@ -1038,24 +1055,37 @@ def _place(dst: np.ndarray, src: np.ndarray) -> None:
     np.copyto(dst, src, casting="unsafe")
 
 
-def _check_fits(p: np.ndarray, dtype: np.dtype, uri: str) -> None:
+#: The integer predictions a weighted blend into an integer output keeps exactly where tiles overlap: its
+#: float64 mean of n equal values is within about (2 n + ndim + 3) * 2**-53 of the value relative to it, under
+#: half a unit (so rounded back to it) up to 2**32 for fewer than 2**19 overlapping parts; past it (2**50 with
+#: a few dozen `hann` parts) a label id came back one to three off.
+WEIGHTED_EXACT = 2 ** 32
+
+
+def _check_fits(p: np.ndarray, dtype: np.dtype, uri: str, blend: str = "none") -> None:
     """DtypeMismatch when predictions ``p`` hold a value an integer output of ``dtype`` cannot take once
     rounded (NaN, infinity, or outside its range): cast as astype, it would be written wrapped (300.0 into
     uint8 is 44). A blend's weighted mean of values that fit fits too, so the predictions are what is checked.
     Integer predictions into a float output are refused where they pass the integers it holds exactly (2**24 in
-    float32): label ids would be written rounded, two ids merged, as the pipeline refuses such a cast."""
+    float32): label ids would be written rounded, two ids merged, as the pipeline refuses such a cast; so are
+    integer predictions past :data:`WEIGHTED_EXACT` into an integer output with a weighted blend.
+    Finite float predictions that a narrower float output rounds to infinity (70000.0 into float16) are refused,
+    as the pipeline refuses such a cast on reading; NaN and infinities stay themselves."""
     if p.size == 0 or p.dtype.kind not in "fiub":
         return
-    if np.issubdtype(dtype, np.floating) and p.dtype.kind in "iu":
-        exact = 2 ** (np.finfo(dtype).nmant + 1)  # every integer up to it is a float of dtype
-        if -exact <= np.iinfo(p.dtype).min and np.iinfo(p.dtype).max <= exact:
-            return  # every value of p's dtype fits (uint8 or int16 into float32): nothing to scan
-        lo, hi = int(p.min()), int(p.max())
-        if lo < -exact or hi > exact:
-            raise DtypeMismatch(f"TileWriter.write: integer predictions from {lo} to {hi} do not fit {uri}'s dtype "
-                                f"{np.dtype(dtype)} exactly (it holds integers only up to 2**"
-                                f"{np.finfo(dtype).nmant + 1}): label ids would merge; write an integer dtype "
-                                "('int64', 'uint64', ...) or map the ids into range", uri=uri)
+    floating = np.issubdtype(dtype, np.floating)
+    if p.dtype.kind in "iu":
+        if floating:
+            bits = np.finfo(dtype).nmant + 1
+            _check_exact(p, 2 ** bits, f"{uri}'s dtype {np.dtype(dtype)}",
+                         "write an integer dtype ('int64', 'uint64', ...) or map the ids into range", uri)
+        if blend != "none" and not floating:  # a float output is the weighted mean itself, never rounded back
+            _check_exact(p, WEIGHTED_EXACT, f"the {blend!r} blend (a float64 weighted mean where tiles overlap)",
+                         "write label ids with blend='none', or map them into range", uri)
+        if floating:
+            return
+    elif floating and p.dtype.kind == "f":
+        _check_finite_fits(p, np.dtype(dtype), uri)
         return
     if not np.issubdtype(dtype, np.integer):
         return
@@ -1069,6 +1099,38 @@ def _check_fits(p: np.ndarray, dtype: np.dtype, uri: str) -> None:
                             f"not fit {uri}'s dtype "
                             f"{np.dtype(dtype)} ({room.min} to {room.max}); cast as astype they would be written "
                             "wrapped: clip or map them into range (or write a float array)", uri=uri)
+
+
+def _check_exact(p: np.ndarray, exact: int, what: str, fix: str, uri: str) -> None:
+    """DtypeMismatch when integer predictions ``p`` pass ``exact`` (the integers ``what`` holds exactly);
+    nothing scanned where ``p``'s dtype cannot (uint8 or int16 into float32)."""
+    info = np.iinfo(p.dtype)
+    if -exact <= info.min and info.max <= exact:
+        return
+    lo, hi = int(p.min()), int(p.max())
+    if lo < -exact or hi > exact:
+        raise DtypeMismatch(f"TileWriter.write: integer predictions from {lo} to {hi} do not fit {what} exactly "
+                            f"(it holds integers only up to 2**{exact.bit_length() - 1}): label ids would merge; "
+                            f"{fix}", uri=uri)
+
+
+def _check_finite_fits(p: np.ndarray, dtype: np.dtype, uri: str) -> None:
+    """DtypeMismatch when finite float predictions ``p`` round to infinity in the narrower float ``dtype``: from
+    the midpoint between its largest finite value and the next power of two up (65520 for float16), as
+    round-to-nearest-even casts them."""
+    have, room = np.finfo(p.dtype), np.finfo(dtype)
+    if have.max <= room.max:
+        return
+    at = float(np.ldexp(2.0 - 2.0 ** -(room.nmant + 1), room.maxexp - 1))
+    if max(abs(float(p.min())), abs(float(p.max()))) < at:  # False with a NaN: scanned below
+        return
+    a = np.abs(p)
+    big = a[np.isfinite(a) & (a >= at)]
+    if big.size:
+        raise DtypeMismatch(f"TileWriter.write: finite predictions of magnitude {float(big.min()):g} to "
+                            f"{float(big.max()):g} would be written as infinity in {uri}'s dtype {dtype} (its "
+                            f"largest value is {float(room.max):g}): scale or clip them, or write a wider float "
+                            "array", uri=uri)
 
 
 def _reason(failed: BaseException) -> tuple[str, str]:

@@ -12,6 +12,11 @@ The image group holds the metadata: the array's parent, or the group above that 
 dataset (level 0) is the number of level-0 voxels one of the level's voxels spans, per axis. The
 multiscale's own transforms apply to every level alike and cancel in that ratio.
 
+A label image (``image-label`` in its group's metadata, at ``<image>/labels/<name>`` as the spec has it) is a
+pyramid of its own, and its level 0 may be coarser than its image's (a segmentation at half the resolution):
+its levels are placed over the level 0 of the image that holds it, the label's own level 0 over that
+(their physical scales, the multiscales' own transforms included) and each level over the label's level 0.
+
 stoker places voxel ``i`` of a level of scale ``r`` over level-0 voxels ``[i * r, (i + 1) * r)``. A level's
 ``translation`` relative to level 0's must say the same: 0, or the half-voxel shift ``(r - 1) / 2`` level-0
 voxels that block-downsampling writers (ome-zarr-py) record; any other shift (a level covering a part of the
@@ -43,12 +48,13 @@ def level_scale(uri: str | os.PathLike, storage_options: dict | None = None,
                 stores: Stores | None = None) -> tuple[int, ...] | None:
     """Per axis, how many level-0 voxels one voxel of the array at ``uri`` spans, when the array is a level
     of an OME-Zarr image (the ``multiscales`` of its parent, or of the nearest group above that has them,
-    list its path below that group); None for level 0 and for an array
-    that is no such level (both span one reference voxel per voxel). A level whose scale
+    list its path below that group; a level of a label image: over its parent image's level 0); None for level
+    0 and for an array that is no such level (both span one reference voxel per voxel). A level whose scale
     is missing, or not a whole multiple of level 0's, is a :class:`~stoker.errors.MetadataError` that says
     to give the scale explicitly."""
     uri = os.fspath(uri)
-    for attrs, name in _ancestor_attributes(uri, storage_options, stores):
+    ancestors = _ancestor_attributes(uri, storage_options, stores)
+    for attrs, name in ancestors:
         multiscales = _multiscales(attrs)
         if multiscales is None:
             continue  # a plain group between the array and its image group (a nested dataset path)
@@ -60,19 +66,104 @@ def level_scale(uri: str | os.PathLike, storage_options: dict | None = None,
             if name not in paths:
                 continue
             level = paths.index(name)
-            if level == 0:
-                return None  # level 0 is the reference: scale 1 on every axis (whatever its rank)
-            base, mine = _scale(datasets[0], uri, paths[0]), _scale(datasets[level], uri, name)
-            if base is None or mine is None or len(base) != len(mine):
-                raise MetadataError(
-                    f"{uri}: level {name!r} of the OME-Zarr image's multiscales has no scale transform comparable "
-                    f"to level {paths[0]!r}'s ({mine} against {base}); pass the scale explicitly "
-                    "(Field(..., scale=...), Mask(..., scale=...))", uri=uri)
-            ratios = tuple(_ratio(m, b, uri, name, axis) for axis, (m, b) in enumerate(zip(mine, base)))
-            _check_shift(datasets[0], datasets[level], base, ratios, uri, name)
-            return ratios
+            own = None
+            if level > 0:  # the multiscale's own transforms apply to both levels alike: left out, they cancel
+                base = (_scale(datasets[0], uri, paths[0]), _transform(datasets[0], "translation", uri, paths[0]))
+                own = _ratios(base, (_scale(datasets[level], uri, name),
+                                     _transform(datasets[level], "translation", uri, name)), uri, name,
+                              f"level {paths[0]!r}")
+            if not _is_label_image(attrs):
+                return own  # level 0 is the reference: scale 1 on every axis (None, whatever its rank)
+            # a label image's level 0 is placed over its parent image's level 0 (see _parent_base), and its
+            # levels over its level 0, each step checked on its own (a writer may shift one and not the other)
+            parent = _parent_base(ancestors, name, uri, _axis_names(multiscale))
+            first = None if parent is None else \
+                _ratios(parent, _physical(multiscale, datasets[0], uri, paths[0]), uri, paths[0],
+                        "the level 0 of the image whose labels/ holds it")
+            if first is None or own is None:
+                return first or own
+            return tuple(a * b for a, b in zip(first, own))
         return None  # the nearest image group does not list the array: no level of it
     return None
+
+
+Transform = tuple["list[float] | None", "list[float] | None"]
+
+
+def _ratios(base: Transform, mine: Transform, uri: str, name: str, against: str) -> tuple[int, ...] | None:
+    """The level's scale over ``base``'s as whole ratios (None where every one is 1), its translation checked
+    (:func:`_check_shift`); each a ``(scale, translation)`` pair of one dataset."""
+    if base[0] is None or mine[0] is None or len(base[0]) != len(mine[0]):
+        raise MetadataError(
+            f"{uri}: level {name!r} of the OME-Zarr image's multiscales has no scale transform comparable "
+            f"to {against}'s ({mine[0]} against {base[0]}); pass the scale explicitly "
+            "(Field(..., scale=...), Mask(..., scale=...))", uri=uri)
+    ratios = tuple(_ratio(m, b, uri, name, axis) for axis, (m, b) in enumerate(zip(mine[0], base[0])))
+    _check_shift(base, mine, base[0], ratios, uri, name)
+    return None if all(r == 1 for r in ratios) else ratios
+
+
+def _is_label_image(attrs: Any) -> bool:
+    """Whether a group's attributes say it is a label image (``image-label``: 0.4 at the top, 0.5 under ``ome``)."""
+    if not isinstance(attrs, dict):
+        return False
+    ome = attrs.get("ome")
+    return "image-label" in (ome if isinstance(ome, dict) else attrs)
+
+
+def _axis_names(multiscale: Any) -> list[str] | None:
+    """A multiscale's axis names (0.4 and 0.5: ``axes`` of ``{"name": ...}``), or None where it has none."""
+    axes = multiscale.get("axes") if isinstance(multiscale, dict) else None
+    if not isinstance(axes, list):
+        return None
+    names = [a.get("name") if isinstance(a, dict) else a for a in axes]
+    return [str(n) for n in names] if all(isinstance(n, str) for n in names) else None
+
+
+def _by_names(transform: "Transform", names: list[str] | None, mine: list[str] | None) -> "Transform":
+    """The parent image's ``transform`` on the label image's axes, picked by name where the two have other axes
+    (a ``zyx`` label image of a ``czyx`` image); as it is where the names do not say."""
+    if names is None or mine is None or names == mine or not set(mine) <= set(names):
+        return transform
+    pick = [names.index(n) for n in mine]
+    return tuple(None if t is None or len(t) != len(names) else [t[i] for i in pick]  # type: ignore[return-value]
+                 for t in transform)
+
+
+def _parent_base(ancestors: Iterator[tuple[Any, str]], name: str, uri: str,
+                 axes: list[str] | None = None) -> "Transform | None":
+    """The physical ``(scale, translation)`` of level 0 of the image a label image belongs to (the spec puts it
+    at ``<image>/labels/<label>``): the label's levels are placed over that image's voxels, so a label image
+    written at half the image's resolution (its own level 0 of scale 2) is not taken as the reference. None
+    where no such image is found above it (the label image's own level 0 is the reference then, as before)."""
+    for attrs, path in ancestors:
+        multiscales = _multiscales(attrs)
+        if multiscales is None:
+            continue
+        parts = path.split("/")
+        if len(parts) < 3 or parts[0] != "labels" or "/".join(parts[2:]) != name:
+            return None  # the nearest image above is not the one whose labels/ holds it
+        for multiscale in multiscales:
+            datasets = multiscale.get("datasets") if isinstance(multiscale, dict) else None
+            if isinstance(datasets, list) and datasets:
+                return _by_names(_physical(multiscale, datasets[0], uri, _dataset_path(datasets[0])),
+                                 _axis_names(multiscale), axes)
+        return None
+    return None
+
+
+def _physical(multiscale: Any, dataset: dict, uri: str, name: Any) -> Transform:
+    """A dataset's scale and translation in the image's physical space: its own transforms followed by its
+    multiscale's (which apply to every dataset of that multiscale); None where it has none."""
+    scale, shift = _scale(dataset, uri, name), _transform(dataset, "translation", uri, name)
+    outer_scale = _transform(multiscale, "scale", uri, name) if isinstance(multiscale, dict) else None
+    outer_shift = _transform(multiscale, "translation", uri, name) if isinstance(multiscale, dict) else None
+    if scale is not None and outer_scale is not None and len(outer_scale) == len(scale):
+        shift = [t * o for t, o in zip(shift, outer_scale)] if shift is not None else None
+        scale = [v * o for v, o in zip(scale, outer_scale)]
+    if outer_shift is not None and scale is not None and len(outer_shift) == len(scale):
+        shift = [a + b for a, b in zip(shift or [0.0] * len(scale), outer_shift)]
+    return scale, shift
 
 
 def _multiscales(attrs: Any) -> list | None:
@@ -104,13 +195,14 @@ def _transform(dataset: dict, kind: str, uri: str, name: Any) -> list[float] | N
     return None
 
 
-def _check_shift(base_set: dict, level_set: dict, base: list[float], ratios: tuple[int, ...], uri: str,
+def _check_shift(base_set: Transform, level_set: Transform, base: list[float], ratios: tuple[int, ...], uri: str,
                  name: str) -> None:
     """MetadataError unless the level's translation relative to level 0's places its voxel ``i`` over level-0
-    voxels ``[i * r, (i + 1) * r)``: a shift of 0 or ``(r - 1) / 2`` level-0 voxels on every axis."""
+    voxels ``[i * r, (i + 1) * r)``: a shift of 0 or ``(r - 1) / 2`` level-0 voxels on every axis (each set a
+    ``(scale, translation)`` pair)."""
     zero = [0.0] * len(base)
-    mine = _transform(level_set, "translation", uri, name) or zero
-    first = _transform(base_set, "translation", uri, name) or zero
+    mine = level_set[1] or zero
+    first = base_set[1] or zero
     if len(mine) != len(base) or len(first) != len(base):
         raise MetadataError(f"{uri}: the translation of OME-Zarr level {name!r} ({mine}) or of level 0 ({first}) "
                             f"does not have one value per axis ({len(base)}); fix the image's multiscales metadata",

@@ -25,6 +25,7 @@ import json
 import math
 import operator
 import os
+import warnings
 from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -513,7 +514,7 @@ class TileGrid(SampleSource):
     past the first tile, the last tile is shifted back to end at the border, so no voxel is left out (that
     tile overlaps its neighbour by more than the others do; a ``stride`` larger than the tile leaves gaps, on
     purpose). An array smaller than a tile on some axis has
-    no tile (without ``pad``). With ``shuffle=True`` the tiles are permuted per ``(seed, epoch)``.
+    no tile (without ``pad``; a warning names it). With ``shuffle=True`` the tiles are permuted per ``(seed, epoch)``.
 
     A grid's epoch is never cut short: a :class:`~stoker.Pipeline` (and :class:`~stoker.CropDataset`) yields
     its last batch at its true size whatever ``Config.drop_last`` says, and :meth:`for_rank` splits it with
@@ -602,6 +603,13 @@ class TileGrid(SampleSource):
             raise InvalidArgument(f"TileGrid: no array can hold a {self.sample_shape} tile ({shapes}"
                                   f"{', ...' if len(self.arrays) > 4 else ''}): use a smaller sample_shape, or pad= "
                                   "to let tiles reach past the borders", knob="sample_shape")
+        left_out = [f"{uri} {shape}" for uri, shape, counts in zip(self.arrays, self.shapes, self._counts)
+                    if not math.prod(counts)]
+        if left_out:  # a volume of an evaluation or inference set silently missing from its epoch
+            warnings.warn(f"TileGrid: {len(left_out)} of {len(self.arrays)} arrays are shorter than the tile "
+                          f"{self.sample_shape} on some axis and get no tile, so none of their voxels is in the "
+                          f"grid ({', '.join(left_out[:4])}{', ...' if len(left_out) > 4 else ''}): use pad= to "
+                          "tile them past their borders, or a smaller sample_shape", stacklevel=2)
         if self._offsets[-1] > MAX_SAMPLES:
             raise InvalidArgument(
                 f"TileGrid over {self.arrays}: {self._offsets[-1]} tiles of {self.sample_shape} at stride "
