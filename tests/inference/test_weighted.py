@@ -58,6 +58,43 @@ def test_the_compiled_mean_is_numpy_s_bit_for_bit(ndim, out_dtype, part_dtypes, 
 
 
 @compiled
+@pytest.mark.parametrize("out_dtype", ["f4", "f8"])
+@pytest.mark.parametrize("n_parts", [2, 3, 5])
+def test_parts_spanning_whole_rows_are_numpy_s_bit_for_bit(out_dtype, n_parts):
+    """Rows that every part meeting them spans whole (a planned overlap's, the usual: blend.c sums them in one
+    fused pass, not through the zeroed sums and counts) give numpy's blend bit for bit: signed zeros (0.0 + -0.0
+    is +0.0), values of both signs that nearly cancel, rows met by one part only (its value) or by some of the
+    parts, and a part whose memory is the output's own (read before the row is written, as the other path does)."""
+    rng = np.random.default_rng(n_parts)
+    for trial in range(30):
+        lanes, rows, n = int(rng.integers(1, 3)), int(rng.integers(1, 9)), int(rng.integers(1, 70))
+        out = np.full((lanes, rows, n), -7.0, out_dtype)
+        parts = []
+        for i in range(n_parts):
+            a = int(rng.integers(0, rows))
+            b = int(rng.integers(a + 1, rows + 1))
+            values = (rng.normal(size=(lanes, b - a, n)) * 10.0 ** int(rng.integers(-3, 4))).astype("f4")
+            values[rng.random(values.shape) < 0.1] = -0.0
+            values[rng.random(values.shape) < 0.05] = 0.0
+            if i and rng.random() < 0.3:  # cancels the part before it where they meet
+                values = -parts[-1][0][:, :b - a] if parts[-1][0].shape[1] >= b - a else values
+            tile = n + int(rng.integers(0, 9))
+            start = int(rng.integers(0, tile - n + 1))
+            windows = (window("hann", rows + 2)[a + 1:b + 1], window(rng.choice(["hann", "linear"]), tile)[start:start + n])
+            parts.append((np.ascontiguousarray(values), (a, 0), windows))
+        want = _reference(out, parts)
+        assert weighted.mean_into(out, parts)
+        assert out.tobytes() == want.tobytes(), f"trial {trial}: {np.argwhere(out != want)[:3].tolist()}"
+    # a part that is the output itself (its own memory, f4): the rows blended as from a copy of it
+    out = (rng.normal(size=(1, 4, 16)) * 10).astype("f4")
+    other = (rng.normal(size=(1, 4, 16)) * 10).astype("f4")
+    win = (window("hann", 4), window("hann", 16))
+    want = _reference(out, [(out.copy(), (0, 0), win), (other, (0, 0), win)])
+    assert weighted.mean_into(out, [(out, (0, 0), win), (other, (0, 0), win)])
+    assert out.tobytes() == want.tobytes()
+
+
+@compiled
 def test_what_it_leaves_to_numpy_and_what_it_refuses():
     out = np.zeros((1, 4, 4), np.float32)
     win = (np.ones(4), np.ones(4))
