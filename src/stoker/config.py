@@ -91,7 +91,8 @@ class Config:
       ``"i32"``/``"i64"`` take integer and bool sources and keep every value: one that does not fit is a
       ``DtypeMismatch`` naming the array and chunk (float sources are refused). 32- and 64-bit integer
       sources into ``"f32"``/``"bf16"``/``"f16"`` are refused when the first batch settles its dtype, before
-      any read (label ids would merge) unless ``lossy_casts``; 8- and 16-bit integers (images) are allowed.
+      any read (label ids would merge) unless ``lossy_casts``; 8- and 16-bit integers (images) are allowed,
+      but for the 16-bit ids of an OME-Zarr label image's levels into ``"bf16"`` or ``"f16"``.
     - ``lossy_casts`` (bool, default False): allow 32- and 64-bit integer sources into float outputs, rounded.
     - ``host_buffer_bytes`` (>= 1 MiB): hard cap on host buffers (batch slots, or the pinned staging
       slots on CUDA, plus read and decode buffers).

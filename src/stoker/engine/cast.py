@@ -12,7 +12,8 @@
   :func:`range_error`; a fill value: :func:`check_fill`), never a wrapped id. Float sources are refused (:func:`batch_dtype`).
 - 32- and 64-bit integer sources into float batches are refused unless ``lossy_casts`` (float32 holds
   integers exactly only up to 2**24, bfloat16 and float16 far fewer: label ids would merge); 8- and
-  16-bit integers (images) are allowed.
+  16-bit integers (images) are allowed, but for the levels of an OME-Zarr label image (``ids``: their
+  values are ids): 16-bit ones into ``"bf16"`` (exact up to 256) or ``"f16"`` (up to 2048) are refused too.
 - A finite value past the float batch's largest finite value (65504 for ``"f16"``: a uint16 of 65520 or more;
   float32's and bfloat16's for a float64 or float32 source) would become inf: a
   :class:`~stoker.errors.DtypeMismatch` naming the array and the chunk, as for an integer batch
@@ -52,9 +53,11 @@ INTEGER_OUTPUTS = {torch.int32: "i32", torch.int64: "i64"}
 _FLOAT_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
 
-def batch_dtype(requested: torch.dtype | None, source: np.dtype, uri: str, lossy: bool = False) -> torch.dtype:
+def batch_dtype(requested: torch.dtype | None, source: np.dtype, uri: str, lossy: bool = False,
+                ids: bool = False) -> torch.dtype:
     """The batch dtype for ``source`` under the requested output (``None``: native), or the
-    :class:`~stoker.errors.DtypeMismatch` that refuses the cast (``lossy``: ``Config.lossy_casts``).
+    :class:`~stoker.errors.DtypeMismatch` that refuses the cast (``lossy``: ``Config.lossy_casts``; ``ids``:
+    the array's values are label ids, an OME-Zarr label image's).
 
     >>> batch_dtype(torch.int64, np.dtype("uint64"), "labels.zarr")
     torch.int64
@@ -87,8 +90,19 @@ def batch_dtype(requested: torch.dtype | None, source: np.dtype, uri: str, lossy
             f"2**24, bfloat16 and float16 far fewer: label ids would merge); use dtype 'i32', 'i64' or 'native' "
             "for exact values, or Config(lossy_casts=True) to cast them anyway",
             uri=uri, dtype=str(source))
+    if ids and source.kind in "iu" and source.itemsize == 2 and requested in HALF_EXACT_UP_TO and not lossy:
+        name = _FLOAT_NAMES[requested]
+        raise DtypeMismatch(
+            f"{uri}: a level of an OME-Zarr label image: its {source} ids cast to {name} would merge ({name} holds "
+            f"integers exactly only up to {HALF_EXACT_UP_TO[requested]}); use 'f32', 'i32', 'i64' or 'native' for "
+            "its field (Config(dtype={'labels': 'i32', ...})) or the batch, or Config(lossy_casts=True) to cast "
+            "them anyway",
+            uri=uri, dtype=str(source))
     return requested
 
+
+#: The 16-bit float batch dtypes and the integer up to which each holds every integer exactly
+HALF_EXACT_UP_TO = {torch.bfloat16: 256, torch.float16: 2048}
 
 #: Per float batch dtype, the magnitude from which a finite value rounds to inf (to nearest even: the
 #: midpoint between the largest finite value and the next power of two rounds up). bfloat16 is reached

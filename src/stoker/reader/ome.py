@@ -90,6 +90,32 @@ def level_scale(uri: str | os.PathLike, storage_options: dict | None = None,
 Transform = tuple["list[float] | None", "list[float] | None"]
 
 
+def is_label_level(uri: str | os.PathLike, storage_options: dict | None = None,
+                   stores: Stores | None = None) -> bool:
+    """Whether the array at ``uri`` is a level of an OME-Zarr label image (``<image>/labels/<name>/<level>``, its
+    group marked ``image-label``): its values are ids, which a float batch must hold exactly. Only arrays with
+    a ``labels`` folder within :data:`MAX_PATH_DEPTH` above them are looked at (where the spec puts label
+    images): the others cost no read.
+
+    >>> is_label_level("/data/raw.ome.zarr/labels/cells/0")   # its group "cells" holds "image-label"
+    True
+    """
+    uri = os.fspath(uri)
+    loc = locate(uri)
+    path = loc.path if loc.is_local else loc.prefix
+    parts = (path or "").replace(os.sep, "/").rstrip("/").split("/")
+    if "labels" not in parts[-MAX_PATH_DEPTH - 2:-1]:
+        return False
+    for attrs, name in _ancestor_attributes(uri, storage_options, stores):
+        multiscales = _multiscales(attrs)
+        if multiscales is None:
+            continue
+        listed = any(name in [_dataset_path(d) for d in m.get("datasets") or []] for m in multiscales
+                     if isinstance(m, dict))
+        return listed and _is_label_image(attrs)
+    return False
+
+
 def _ratios(base: Transform, mine: Transform, uri: str, name: str, against: str) -> tuple[int, ...] | None:
     """The level's scale over ``base``'s as whole ratios (None where every one is 1), its translation checked
     (:func:`_check_shift`); each a ``(scale, translation)`` pair of one dataset."""

@@ -29,6 +29,7 @@ from ...runtime.workers import DaemonPool, start_thread, when_all_done
 from ...reader.array import DEFAULT_INDEX_CACHE_BYTES, ArrayReader, index_size, open_array, open_local
 from ...reader.coords import check_channel_dimensions, coding
 from ...reader.metacache import stat_document
+from ...reader.ome import is_label_level
 from ...storage.cache import SizedLRU
 from ...config import Config
 from ...errors import BudgetExceeded, DtypeMismatch, NotYetSupported, ShutdownError, StokerError
@@ -38,7 +39,7 @@ from ...storage.local import identity
 from ...storage.locate import Stores, locate, options_for
 from ...storage.uri import REMOTE_SCHEMES
 from ...zarr.box import check_in_bounds
-from ..cast import batch_dtype
+from ..cast import HALF_EXACT_UP_TO, batch_dtype
 from ..cpu import native
 from ..cpu.cf import check_output, packed
 from ..executor import Executor, Job, Target
@@ -700,10 +701,15 @@ class Coordinator:
             if got is None:
                 # a packed CF array's values are floats computed from the stored ones: no label-id rule for it
                 floats = self.cfg.cf and packed(r)
-                got = self._dtypes.get((*key, requested, r.dtype, floats))
+                # an OME-Zarr label image's 16-bit ids into a 16-bit float batch: looked up once per array (only
+                # such arrays, and only those under a labels/ folder, read anything for it)
+                ids = requested in HALF_EXACT_UP_TO and r.dtype.kind in "iu" and r.dtype.itemsize == 2 and \
+                    not floats and not self.cfg.lossy_casts and \
+                    is_label_level(r.uri, options_for(self.cfg.storage_options, r.uri), self.stores)
+                got = self._dtypes.get((*key, requested, r.dtype, floats, ids))
                 if got is None:  # once per source dtype; a refused one raises every time
-                    got = self._dtypes[(*key, requested, r.dtype, floats)] = batch_dtype(
-                        requested, r.dtype, r.uri, self.cfg.lossy_casts or floats)
+                    got = self._dtypes[(*key, requested, r.dtype, floats, ids)] = batch_dtype(
+                        requested, r.dtype, r.uri, self.cfg.lossy_casts or floats, ids)
                 r.derived[memo] = got  # (a reader is one pipeline's: its Config and _dtypes are this one's)
             dtypes.add(got)
         if executor.dtype is not None:
