@@ -42,14 +42,21 @@ class _Reads:
     """Counts the chunk entries read in Python (DiskCache.get_many, the real one, still called; an array's
     zarr.json, which its open reads from disk, apart), the entries handed to the engine (those of each
     engine job reading disk-cache entries: decode_native._FromDisk), the chunks whose entries the decoder
-    asked its stores about (not found in its table: NativeDecoder._asked) and the entry files made
-    (DiskCache.entry_file)."""
+    asked its stores about (not found in its table: NativeDecoder._asked), the entry files
+    made (DiskCache.entry_file) and the batches found whole in the table by its compiled look-up
+    (EntryTable.hits)."""
 
     def __init__(self, monkeypatch) -> None:
-        self.python = self.engine = self.made = self.asked = 0
+        self.python = self.engine = self.made = self.asked = self.compiled = 0
         get_many, entry_file = DiskCache.get_many, DiskCache.entry_file
         asked = decode_native.NativeDecoder._asked
+        hits = entry_table.EntryTable.hits
         reads = self
+
+        def counted_hits(table, *args):
+            found = hits(table, *args)
+            reads.compiled += found is not None
+            return found
 
         def counted_asked(decoder, plan, them, *args):
             reads.asked += len(them)
@@ -75,6 +82,7 @@ class _Reads:
         monkeypatch.setattr(DiskCache, "entry_file", counted_entry_file)
         monkeypatch.setattr(decode_native, "_FromDisk", CountedFromDisk)
         monkeypatch.setattr(decode_native.NativeDecoder, "_asked", counted_asked)
+        monkeypatch.setattr(entry_table.EntryTable, "hits", counted_hits)
 
 
 def _config(options: dict, folder, **knobs) -> stoker.Config:
@@ -597,6 +605,7 @@ def test_the_decoders_table_of_entries_never_serves_a_generation_no_longer_known
         assert given > 0 and reads.asked == 0
         _batch(p, uri, data, path)  # from the table again: nothing asked, all read from disk
         assert reads.engine == 2 * given and reads.asked == 0 and cache.hits - hits == given
+        assert reads.compiled == 2  # each batch whole, in one compiled look-up
         rewritten = str(tmp_path / "rewritten")
         _write(rewritten, 2)
         s3.upload(read_tree(rewritten), prefix)  # new values, new ETags
@@ -605,6 +614,7 @@ def test_the_decoders_table_of_entries_never_serves_a_generation_no_longer_known
         kv.forget()  # every generation forgotten: learnt anew (the new ETags) by the next read
         assert kv.changes > changes
         _batch(p, uri, rewritten, path)  # the new values (zarr-python's), not the table's old entries
+        assert reads.compiled == 2  # the table's entries stale: nothing found whole
         assert cache.flush(30)
         _batch(p, uri, rewritten, path)  # the new generations' entries, read from disk
         assert cache.hits > hits + given

@@ -336,6 +336,16 @@ enum { /* a chunk: one stored chunk (or a fill), and its copies */
 };
 /* a buffer's entries row (plan_tables.entries): where its entry file's path and its ident are in the entry blob */
 enum { E_PATH_START = 0, E_PATH_LEN, E_IDENT_START, E_IDENT_LEN, N_ENTRY_COLS };
+/* a slot of a decoder's table of disk-cache entries (engine/cpu/entry_table.py; read by entry_hits, py_entries.c):
+ * its key (its array's number, its file's number in the array's grid, the chunk's offset and length in it: -1, -1
+ * the whole file), its store's stamp number, the disk cache's write ticket, its path's and ident's lengths, and
+ * until (a float64's bits); ET_WAYS slots a set */
+enum { ET_UID = 0, ET_FILE, ET_OFFSET, ET_LENGTH, ET_STAMP, ET_TICKET, ET_PATH_LEN, ET_IDENT_LEN, ET_UNTIL, N_ET_COLS };
+#define ET_KEY_COLS 4
+#define ET_WAYS 8
+/* an array's disk row (decode_native.py's _Source.disk_row): whether its chunks may be read from disk-cache entries,
+ * its number in the table of entries (0: none), then its grid of files' shape (D values) and their strides (D) */
+enum { DISK_ROOM = 0, DISK_UID, DISK_GRID };
 /* a copy: its first element in the chunk (decoded layout) and in the batch, then its extent (D values) */
 #define CP_SRC_OFFSET 0
 #define CP_DST_OFFSET 1

@@ -214,7 +214,7 @@ class _Source:
 _UIDS = itertools.count(1)  # the numbers of _Source in tables of entries (never 0: a key of no array)
 #: The columns of ``_Source.disk_row``: whether its chunks may be read from disk-cache entries, its number in
 #: the table of entries, then its grid of files' shape (DISK_GRID on, one an axis) and their strides.
-DISK_ROOM, DISK_UID, DISK_GRID = range(3)
+DISK_ROOM, DISK_UID, DISK_GRID = native.DISK_ROOM, native.DISK_UID, native.DISK_GRID  # (csrc: entry_hits reads it)
 
 
 #: Most :class:`_Source` of local arrays kept for the process (see :func:`shared_source`); past it they are
@@ -790,7 +790,6 @@ class NativeDecoder:
         stores (``entry_rows``: a step per chunk, whose answers the table keeps). A second epoch in the
         pipeline that read the first asks its stores about no chunk."""
         plan = job.plan
-        src = plan.chunk_source[ids]
         disk, store_of, stores = sources.disk, sources.disk_store, sources.disk_stores
         if disk is None:  # once per set of arrays (kept while they come again): each array's row, packed once
             rank = plan.files.shape[1] - native.F_COORDS
@@ -811,7 +810,7 @@ class NativeDecoder:
         if sources.disk_all:  # (the usual batch: a step fewer of each kind below, every batch)
             asked = ids
         else:
-            mine = disk[src, DISK_ROOM] != 0
+            mine = disk[plan.chunk_source[ids], DISK_ROOM] != 0
             if not mine.any():
                 return ids
             asked = ids[mine]
@@ -823,7 +822,15 @@ class NativeDecoder:
         settled = [getattr(kv, "settled", 0) for kv in stores]
         now = time.monotonic()
         # (ids, as _fetch takes them, are distinct chunks in chunk order: as many as the plan's, they are all)
-        keys = _entry_keys(plan, asked, sources, every=len(asked) == plan.n_chunks)
+        every = len(asked) == plan.n_chunks
+        if sources.disk_all:
+            # a second epoch's batch, every chunk in the table: its keys, look-up, checks and the engine's rows in
+            # one compiled call (the steps below, a few microseconds each on a busy coordinator, are for misses)
+            got = table.hits(plan.files, plan.chunk_file, plan.chunk_offset, plan.chunk_length, None if every else asked,
+                             disk, store_of, array("q", stamps), array("q", settled), now)
+            if got is not None:
+                return self._submit_from_disk(job, ids, asked, got[0], got[1], kind, sources)
+        keys = _entry_keys(plan, asked, sources, every=every)
         if len(stores) == 1:  # (the usual batch: its arrays in one bucket) each chunk's store's, as one number
             slots, blobs, lens = table.lookup(keys, stamps[0], settled[0], now)
         else:
@@ -879,7 +886,6 @@ class NativeDecoder:
             if not len(order):
                 return ids
             eids, lens, blobs = eids[order], lens[order], blobs[order]
-        owner = store_of[plan.chunk_source[eids]] if len(stores) > 1 else np.zeros(len(eids), np.intp)
         # each entry's path then ident, end to end in the blob: their starts from the running sum of their lengths
         flat = lens.reshape(-1)
         starts = np.cumsum(flat) - flat
@@ -888,7 +894,15 @@ class NativeDecoder:
         rows[:, native.E_PATH_LEN] = lens[:, 0]
         rows[:, native.E_IDENT_START] = starts[1::2]
         rows[:, native.E_IDENT_LEN] = lens[:, 1]
-        blob = b"".join(blobs)
+        return self._submit_from_disk(job, ids, eids, rows, b"".join(blobs), kind, sources)
+
+    def _submit_from_disk(self, job: Job, ids: np.ndarray, eids: np.ndarray, rows: Any, blob: bytes, kind: int,
+                          sources: "_SourceSet") -> np.ndarray:
+        """Hand the chunks ``eids`` (of ``ids``, in chunk order) to the engine to read from their disk-cache
+        entries (``rows``: the engine's entries rows, into ``blob``); returns the rest of ``ids``, to fetch."""
+        plan = job.plan
+        store_of, stores = sources.disk_store, sources.disk_stores
+        owner = store_of[plan.chunk_source[eids]] if len(stores) > 1 else np.zeros(len(eids), np.intp)
         # the rest, to fetch (none where every chunk was taken: eids are distinct chunks of ids)
         rest = ids[:0] if len(eids) == len(ids) else ids[~np.isin(ids, eids)]
         try:

@@ -246,6 +246,13 @@ stage_threads_started = stage_cancel_flag = stage_cancel = None
 if Engine is not None:
     from ..._native import (blosc_streams, chunk_paths, stage_cancel, stage_cancel_flag,  # noqa: F401 (native.*)
                            stage_pool, stage_pool_close, stage_pool_info, stage_read, stage_threads_started)
+#: ``entry_hits(hash, rec, entries, files, chunk_file, chunk_offset, chunk_length, ids, disk, store_of, stamps,
+#: settled, now) -> (rows, blob) | None`` (csrc/py_entries.c): a batch's chunks found in a decoder's table of
+#: disk-cache entries and made the engine's entries rows in one call (engine/cpu/entry_table.py, ``EntryTable.hits``),
+#: or None without the engine
+entry_hits = None
+if Engine is not None:
+    from ..._native import entry_hits  # noqa: F401, F811 (native.*)
 #: ``write_entries(items, tag, seed) -> (results, allocated, grown)`` (csrc/entries.c): the disk cache's entry
 #: files made with the GIL released once per batch (storage/diskcache.py's writer thread uses it once this module
 #: is loaded: ``use_entry_writer``), or None without the engine
