@@ -87,6 +87,21 @@ def level_scale(uri: str | os.PathLike, storage_options: dict | None = None,
     return None
 
 
+def is_label_level(uri: str | os.PathLike, storage_options: dict | None = None,
+                   stores: Stores | None = None) -> bool:
+    """Whether the array at ``uri`` is a level of an OME-Zarr label image (the nearest group with
+    ``multiscales`` above it lists it and says ``image-label``): its :func:`level_scale` is then over its parent
+    image's level 0, not its own."""
+    for attrs, name in _ancestor_attributes(os.fspath(uri), storage_options, stores):
+        multiscales = _multiscales(attrs)
+        if multiscales is None:
+            continue  # as level_scale: a plain group between the array and its image group
+        listed = any(name in [_dataset_path(d) for d in m["datasets"]] for m in multiscales
+                     if isinstance(m, dict) and isinstance(m.get("datasets"), list))
+        return listed and _is_label_image(attrs)
+    return False
+
+
 Transform = tuple["list[float] | None", "list[float] | None"]
 
 
