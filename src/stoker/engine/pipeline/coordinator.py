@@ -388,7 +388,12 @@ class Coordinator:
         kept pipeline read the fill value for ever), and the local arrays rewritten since are forgotten
         (:meth:`forget_rewritten`). Shards read before are checked against their file's identity at each read
         already. Not at every push: a loop that pushes a batch's samples at a time would ask its store again
-        about every missing shard of a sparse array each batch (over an object store, a request each)."""
+        about every missing shard of a sparse array each batch (over an object store, a request each).
+
+        At every other push, the local arrays open are looked at (:meth:`_rewritten`, a ``stat`` per metadata
+        file): one rewritten since its open is forgotten (opened anew) when no batch is in flight and the
+        earlier pushes are used up, and the push is an InvalidArgument otherwise (batches of the old layout
+        in flight: never two layouts in one run, never the new files read by the old one)."""
         if self._used_up:
             self._used_up = False
             self._index_cache.forget_nones()

@@ -169,7 +169,9 @@ class Pipeline:
         for executor in self._executors():  # a new push reads its files again (csrc/pool.c "Reused")
             if isinstance(executor, CpuExecutor):
                 executor.pushed()
-        self._coordinator.pushed()  # after drop_used_up: shards found missing and arrays rewritten looked at again
+        # arrays rewritten since they were opened are looked at (refused while batches of them are in flight),
+        # and after drop_used_up the shards found missing too
+        self._coordinator.pushed()
         self._intake.push(samples)
         self._coordinator.start()
 
