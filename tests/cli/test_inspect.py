@@ -232,3 +232,26 @@ def test_chunk_advice_keeps_axes_the_crop_spans_whole(tmp_path):
     tried = estimate(stoker.open_array(tmp_path / "b.zarr").metadata, (4, 12, 20), n=2000, seed=0)
     assert tried.decode_full <= 4
     assert suggested[1:] == (12, 20) and tried.chunks_per_crop == pytest.approx(2.5, rel=0.05)
+
+
+@pytest.mark.parametrize("fmt", [2, 3])
+def test_inspect_shows_an_ome_levels_scale_over_level_0(tmp_path, capsys, fmt):
+    """A pyramid level's scale over level 0 (a label image's: over its parent image's level 0, here at half the
+    image's resolution), as stoker reads it (level_scale) and ome-zarr's multiscales say; none for level 0."""
+    import json
+
+    from ome_images import labelled_image
+
+    root = str(tmp_path / "img.zarr")
+    labelled_image(root, fmt)
+    want = {"s0": None, "s1": ([2, 2, 2], "level 0"), "labels/cells/s0": ([2, 2, 2], "the parent image's level 0"),
+            "labels/cells/s1": ([4, 4, 4], "the parent image's level 0")}
+    for path, expected in want.items():
+        assert main(["inspect", "--json", f"{root}/{path}"]) == 0
+        got = json.loads(capsys.readouterr().out)["ome_level"]
+        assert (got if got is None else (got["scale"], got["over"])) == expected, path
+        assert main(["inspect", f"{root}/{path}"]) == 0
+        text = capsys.readouterr().out
+        assert ("ome level" in text) == (expected is not None)
+        if expected is not None:
+            assert f"ome level    scale {tuple(expected[0])} over {expected[1]}" in text

@@ -479,3 +479,20 @@ def test_a_fault_of_a_reader_thread_s_loop_is_the_next_take_s_internal_error(ds,
     for t in work.threads:
         t.join(10.0)
     assert not any(t.is_alive() for t in work.threads)
+
+
+@pytest.mark.parametrize("collate", ["concat", "pad"])
+def test_a_0d_field_is_a_b_vector_in_both_collates_never_padded(tmp_path, collate):
+    """A per-record scalar (a 0-d array beside the points) is ``(B,)`` with either collate: "pad" gave ``(B, 1)``
+    plus ``{field}_lengths`` of ones, "concat" ``(B,)``. The varying field beside it is padded as before."""
+    for i in range(5):
+        g = zarr.open_group(os.path.join(tmp_path, f"r{i}.zarr"), mode="w", zarr_format=2 + i % 2)
+        g.create_array("points", data=np.arange(3 * (i + 1), dtype="f4").reshape(-1, 3))
+        g.create_array("label", data=np.asarray(10 * i + 1, dtype="i8"))
+    ds = ZarrRecords(str(tmp_path), fields=["points", "label"])
+    batch = list(Loader(ds, 4, collate=collate, shuffle=False))[0]
+    want = torch.tensor([int(ds[i]["label"]) for i in range(4)])
+    assert ds[0]["label"].shape == () and batch["label"].shape == (4,)
+    assert torch.equal(batch["label"], want) and "label_lengths" not in batch
+    if collate == "pad":
+        assert batch["points_lengths"].tolist() == [1, 2, 3, 4] and batch["points"].shape == (4, 4, 3)

@@ -13,7 +13,8 @@ import numpy as np
 from ..zarr.amplification import estimate
 from ..reader.array import open_array
 from ..reader.coords import coding, coordinates, dimension_names
-from ..errors import InvalidArgument, NotFound
+from ..reader.ome import is_label_level, level_scale
+from ..errors import InvalidArgument, NotFound, StokerError
 from ..storage import ByteRange
 from ..zarr.codecs.blosc import HEADER_SIZE, blosc_header
 from .args import at_least_one, storage_option, storage_options
@@ -90,6 +91,7 @@ def facts(uri: str, sample_shape: tuple[int, ...] | None = None,
         "fill_value": _plain(arr.fill_value),
     }
     out.update(_named(arr, options))
+    out["ome_level"] = _ome_level(uri, options)
     if sample_shape is not None:
         if len(sample_shape) != arr.ndim:
             raise InvalidArgument(f"--sample-shape {sample_shape} has {len(sample_shape)} axes but the array (shape "
@@ -151,6 +153,20 @@ def _group_arrays(uri: str, depth: int = 3) -> list[str]:
 
     walk(root, "", depth)
     return found
+
+
+def _ome_level(uri: str, options: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Where the array is a level of an OME-Zarr image other than its reference: its scale per axis (level-0
+    voxels per voxel) and what it is over (level 0; a label image's level: its parent image's level 0), or the
+    reason the scale cannot be told; None for level 0 and for an array that is no OME-Zarr level."""
+    try:
+        scale = level_scale(uri, options)
+    except StokerError as exc:
+        return {"scale": None, "over": None, "error": str(exc)}
+    if scale is None:
+        return None
+    over = "the parent image's level 0" if is_label_level(uri, options) else "level 0"
+    return {"scale": list(scale), "over": over, "error": None}
 
 
 def _order(arr) -> str | list[int]:
@@ -228,6 +244,10 @@ def describe(uri: str, sample_shape: tuple[int, ...] | None = None, options: dic
         for name, c in f["coordinates"].items():
             lines.append(f"  {name:<10} " + ("no coordinate array" if c is None else
                                              f"{c['first']} .. {c['last']} ({c['length']} labels, {c['dtype']})"))
+    ome = f.get("ome_level")
+    if ome is not None:
+        lines.append(f"ome level    scale {tuple(ome['scale'])} over {ome['over']}" if ome["error"] is None else
+                     f"ome level    scale unknown: {ome['error']}")
     if f["cf"] is not None:
         cf = f["cf"]
         parts = [f"{k}={cf[k]}" for k in ("scale_factor", "add_offset") if cf[k] is not None]

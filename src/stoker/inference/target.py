@@ -15,10 +15,11 @@ may pass, and the record through stoker's :class:`~stoker.storage.objectstore.Ob
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any, Iterator
 from urllib.parse import urlparse
 
-from ..errors import InvalidArgument, StokerError, StorageError
+from ..errors import InvalidArgument, StokerError, StorageError, UnsupportedFormat
 from ..storage.locate import CACHE_KEYS, SETTING_KEYS
 from ..storage.objectstore import ObjectStore
 from ..storage.uri import REMOTE_SCHEMES
@@ -45,6 +46,28 @@ def remote_store(uri: str, storage_options: dict | None) -> ObjectStore:
     return store
 
 
+def refuse_zip(uri: str) -> None:
+    """UnsupportedFormat for a zip archive (``zip://``, or a path through an existing ``.zip`` file): stoker reads
+    zip archives but writes none; InvalidArgument for a path through a ``.zip`` that is not there, which would be
+    made a folder of that name, not an archive (a folder already there is written as one)."""
+    how = ("zip archives are read-only for TileWriter: write the array to a folder (or an object store) and zip "
+           "the folder afterwards, its hierarchy at the archive's root (cd out && zip -r -0 ../x.zip pred.zarr)")
+    if "://" in uri and urlparse(uri).scheme.lower() == "zip":
+        raise UnsupportedFormat(f"TileWriter({uri!r}): {how}", uri=uri)
+    if is_remote(uri) or ".zip" not in uri.lower():
+        return
+    parts = local_path(uri).split(os.sep)
+    for i in range(1, len(parts) + 1):  # the array's own name too: TileWriter("x.zip") meant an archive
+        head = os.sep.join(parts[:i]) or os.sep
+        if not head.lower().endswith(".zip") or os.path.isdir(head):
+            continue
+        if os.path.exists(head):
+            raise UnsupportedFormat(f"TileWriter({uri!r}): {head} is a zip archive; {how}", uri=uri)
+        raise InvalidArgument(f"TileWriter({uri!r}): {head} does not exist, and would be made a folder of that name, "
+                              f"not a zip archive; {how}. To write to a folder named {os.path.basename(head)}, "
+                              "make it first", uri=uri)
+
+
 def local_path(uri: str) -> str:
     """The path a local ``uri`` names: ``file://`` resolved (:func:`~stoker.storage.urls.resolve_local_path`),
     a plain path as it is.
@@ -60,6 +83,7 @@ def local_path(uri: str) -> str:
 def array_store(uri: str, storage_options: dict | None) -> Any:
     """What zarr-python opens for the array at ``uri``: its local path (:func:`local_path`: a LocalStore, whose
     files a TileWriter fsyncs), or a writable ``zarr.storage.ObjectStore`` rooted at it."""
+    refuse_zip(uri)
     if not is_remote(uri):
         if storage_options:
             raise InvalidArgument(f"{uri}: storage_options ({', '.join(sorted(storage_options))}) apply to object "

@@ -19,8 +19,9 @@ gives), the layout graph libraries use::
 ``Concat`` is PyG's layout (a ``batch`` vector); ``Pad`` the one sequence models
 use. Every sample must have the same fields and dtypes. Both return a
 :class:`RecordBatch`: a dict that also says how many samples it holds
-(``num_samples``), which the Trainer counts. A 0-d field is treated as shape ``(1,)``
-(legacy layout) or stacked as ``(B,)``.
+(``num_samples``), which the Trainer counts. A 0-d field (a per-record scalar) becomes ``(B,)``
+in both: ``Concat`` joins it as shape ``(1,)`` (with its ``_batch``), ``Pad`` stacks it, never padded (no
+``_lengths``).
 """
 
 from __future__ import annotations
@@ -398,7 +399,7 @@ def _spec(name: str, spec: Any) -> Spec:
 class Pad:
     """Pad each field along dim 0 to the batch's longest (with ``value``, or the field's own in ``values``,
     which its dtype must hold as it is) and stack: ``(B, L, ...)``, plus ``{field}_lengths`` (LongTensor
-    ``(B,)``).
+    ``(B,)``). A 0-d field (a per-record scalar) is never padded: it is stacked ``(B,)``, with no lengths.
 
     >>> Pad(0, values={"labels": -100})   # an ignore index for the labels, zeros for the rest
     Pad(value=0, values={'labels': -100})
@@ -413,7 +414,11 @@ class Pad:
 
     def __call__(self, samples: Sequence[Mapping[str, Any]]) -> RecordBatch:
         out = RecordBatch(num_samples=len(samples))
+        scalars = {key for key, ts in _check_samples(samples).items() if all(t.ndim == 0 for t in ts)}
         for key, ts in _fields(samples, "_lengths").items():
+            if key in scalars:  # a 0-d field has no length to pad: stacked (B,), as Concat gives it
+                out[key] = torch.cat(ts)
+                continue
             lengths = [t.shape[0] for t in ts]
             first = ts[0]
             value = self.values.get(key, self.value)

@@ -416,6 +416,21 @@ class ZarrRecords(torch.utils.data.Dataset):
         return view
 
 
+def base_subset(ds: ZarrRecords, indices: np.ndarray) -> ZarrRecords:
+    """A view of ``ds``'s full dataset holding the records at base ``indices`` (in that order), without reading
+    anything: what a collective reads when its own partition is not ``rank::world_size`` (compute_stats' fixed
+    blocks). Records ``ds`` preloaded are kept where it holds them all, else read from the store."""
+    view = object.__new__(type(ds))
+    view.__dict__.update(ds.__getstate__())
+    view._indices = np.asarray(indices, dtype=ds._indices.dtype).copy()
+    if ds._eager is not None:
+        held = all(int(b) in ds._eager for b in view._indices)
+        view._eager = {int(b): ds._eager[int(b)] for b in view._indices} if held else None
+    view._init_process_state(ds._user_store)
+    view._owner_pid = ds._owner_pid
+    return view
+
+
 def rank_part(ds: ZarrRecords, rank: int, world: int) -> ZarrRecords:
     """The part of ``ds`` that ``rank`` of ``world`` works on in a collective: its strided share of the
     full dataset, or ``ds`` itself when it already is that share (InvalidArgument for any other part)."""

@@ -5,10 +5,12 @@
     >>> stats["positions"].mean, stats["edge"].std          # per channel: shape (3,)
     >>> batch = normalize(ds[0], stats)                      # what the model trains on
 
-Each rank reads only its part (records ``rank::world_size``) once and keeps
-Chan-style moments (count, mean, M2, min, max) per channel; the ranks'
-moments travel in one ``all_gather`` of a few numbers per channel and every rank
-merges them in rank order, so every rank returns bit-identical statistics.
+The records are cut into at most :data:`MAX_BLOCKS` blocks of consecutive records, of a size that depends
+on the number of records alone; each rank reads the blocks ``rank::world_size`` once and keeps Chan-style
+moments (count, mean, M2, min, max) per channel and block, merged record by record in record order. The
+blocks' moments travel in one ``all_gather`` of a few numbers per channel and block and every rank merges
+them in block order: every rank returns bit-identical statistics, and so does every world size (the same
+merges in the same order), so a fingerprint of them (``precompute(normalized_with=...)``) is the same too.
 Records weigh by their element count: a record with twice the nodes counts
 twice, and no record is counted more than once.
 
@@ -57,7 +59,7 @@ from ..errors import ClaimTimeout, InvalidArgument, NonFiniteData, StokerError
 from ..storage.artifacts import dataset_dir, dataset_identity
 from ..storage.locate import locate
 from . import sidecar
-from .dataset import Sample, ZarrRecords, rank_part
+from .dataset import Sample, ZarrRecords, base_subset, rank_part
 from .moments import F64, Moments
 
 Derived = Callable[[Sample], torch.Tensor]
@@ -68,6 +70,31 @@ _NONFINITE = ("raise", "skip")
 _DERIVED_INPUT = (None, "normalized", "raw")
 #: What a rank found under nonfinite="raise": (record's index in the full dataset, name's index, count).
 _Found = tuple[int, int, int]
+
+#: The most blocks of records compute_stats' moments are merged from (see the module docstring): what each
+#: rank sends is ``ceil(blocks / world_size)`` blocks' moments per field, a few numbers per channel each.
+MAX_BLOCKS = 1024  # as the array statistics (stoker.arraystats.compute)
+_Acc = dict[str, dict[int, Moments]]  # field -> this rank's block (its slot) -> its moments
+
+
+def _blocks_part(ds: ZarrRecords, rank: int, world: int) -> tuple[ZarrRecords, np.ndarray, int]:
+    """``(view, slots, blocks)``: the records of the full dataset ``rank`` reads (the blocks
+    ``rank::world``, each of consecutive records, their size a function of the number of records alone),
+    each record's slot (its block's place among this rank's) and the number of blocks."""
+    n = ds.base_size
+    size = max(1, -(-n // MAX_BLOCKS))
+    blocks = -(-n // size)
+    mine = range(rank, blocks, world)
+    ranges = [np.arange(b * size, min(n, (b + 1) * size)) for b in mine]
+    indices = np.concatenate(ranges) if ranges else np.zeros(0, dtype=np.int64)
+    slots = np.repeat(np.arange(len(ranges)), [len(r) for r in ranges]) if ranges else np.zeros(0, dtype=np.int64)
+    return base_subset(ds, indices), slots, blocks
+
+
+def _add(acc: _Acc, name: str, slot: int, m: Moments) -> None:
+    """``m`` merged into ``name``'s moments of block ``slot`` (records in order)."""
+    held = acc.setdefault(name, {})
+    held[slot] = held[slot].merge(m) if slot in held else m
 
 
 @dataclass(frozen=True)
@@ -203,7 +230,7 @@ def _nonfinite_error(ds: ZarrRecords, kind: str, names: Sequence[str], found: _F
 
 
 def _merge_ranks(
-    local: dict[str, Moments],
+    local: _Acc,
     names: Sequence[str],
     channels: Mapping[str, int],
     error: BaseException | None,
@@ -211,8 +238,10 @@ def _merge_ranks(
     group: Any,
     ds: ZarrRecords,
     kind: str,
+    blocks: int,
 ) -> dict[str, Moments]:
-    """Moments over all ranks, merged in rank order so every rank gets the same bits.
+    """Moments over all ranks: the ``blocks`` blocks' (``local``: this rank's, the blocks ``rank::world_size``),
+    merged in block order, so every rank and every world size gets the same bits.
 
     A header collective goes first: every rank learns whether any rank failed or
     found non-finite values (then all raise instead of one hanging in the next
@@ -234,16 +263,20 @@ def _merge_ranks(
                                   f"{sorted(c for c in codes)}", field=name)
         code = codes.pop() if codes else _SCALAR
         agreed[name] = None if code == _SCALAR else code
-    mine = [local[n] if n in local else Moments.empty(agreed[n]) for n in names]
+    world = group_position(group)[1]
+    slots = -(-blocks // world)  # every rank sends as many (the last ones empty where it has fewer blocks)
+    sizes = [Moments.packed_size(agreed[n]) for n in names]
+    per_slot = sum(sizes)
+    mine = [local.get(n, {}).get(s) or Moments.empty(agreed[n]) for s in range(slots) for n in names]
     payload = torch.cat([m.pack() for m in mine]) if mine else torch.zeros(0, dtype=F64)
-    out: dict[str, Moments] = {}
-    for r, flat in enumerate(all_gather(payload, group)):
-        offset = 0
-        for name in names:
-            size = Moments.packed_size(agreed[name])
+    flats = all_gather(payload, group)
+    out: dict[str, Moments] = {n: Moments.empty(agreed[n]) for n in names}
+    for b in range(blocks):  # block order, whichever rank read it
+        flat, offset = flats[b % world], (b // world) * per_slot
+        for name, size in zip(names, sizes):
             m = Moments.unpack(flat[offset: offset + size], agreed[name])
             offset += size
-            out[name] = m if r == 0 else out[name].merge(m)
+            out[name] = m if b == 0 else out[name].merge(m)
     return out
 
 
@@ -296,11 +329,11 @@ def _first_nonfinite(local: ZarrRecords, i: int, j: int, m: Moments) -> _Found:
     return local.base_names().index(local.names[i]), j, int(m.skipped.sum())
 
 
-def _plain_pass(local: ZarrRecords, fields: Sequence[str], per_channel: bool, skip: bool
-                ) -> tuple[dict[str, Moments], BaseException | None, _Found | None]:
+def _plain_pass(local: ZarrRecords, slots: np.ndarray, fields: Sequence[str], per_channel: bool, skip: bool
+                ) -> tuple[_Acc, BaseException | None, _Found | None]:
     """This rank's moments; or the error it met (reported to every rank by _merge_ranks, raised here); or,
     unless ``skip``, the first record holding non-finite values (no need to read further)."""
-    acc: dict[str, Moments] = {}
+    acc: _Acc = {}
     entry_wise = {name for name in fields if _entry_wise(local, name, per_channel)}
     try:
         for i in range(len(local)):
@@ -310,7 +343,7 @@ def _plain_pass(local: ZarrRecords, fields: Sequence[str], per_channel: bool, sk
                 m = Moments.of(x, per_channel)
                 if not skip and bool(m.skipped.any()):
                     return acc, None, _first_nonfinite(local, i, j, m)
-                acc[name] = acc[name].merge(m) if name in acc else m
+                _add(acc, name, int(slots[i]), m)
     except Exception as exc:
         return acc, exc, None
     return acc, None, None
@@ -374,10 +407,10 @@ class _Watched(dict):
         return super().popitem()
 
 
-def _derived_pass(local: ZarrRecords, plain: Mapping[str, FieldStats], derived: Mapping[str, Derived],
-                  per_channel: bool, skip: bool, derived_input: str | None = "normalized"
-                  ) -> tuple[dict[str, Moments], BaseException | None, _Found | None]:
-    acc: dict[str, Moments] = {}
+def _derived_pass(local: ZarrRecords, slots: np.ndarray, plain: Mapping[str, FieldStats],
+                  derived: Mapping[str, Derived], per_channel: bool, skip: bool,
+                  derived_input: str | None = "normalized") -> tuple[_Acc, BaseException | None, _Found | None]:
+    acc: _Acc = {}
     try:
         for i in range(len(local)):
             raw = local[i]
@@ -398,16 +431,23 @@ def _derived_pass(local: ZarrRecords, plain: Mapping[str, FieldStats], derived: 
                 m = Moments.of(value, per_channel)
                 if not skip and bool(m.skipped.any()):
                     return acc, None, _first_nonfinite(local, i, j, m)
-                if name in acc and acc[name].channels != m.channels:
+                before = _some(acc, name)
+                if before is not None and before.channels != m.channels:
                     raise InvalidArgument(
                         f"derived {name!r} has {m.channels} channels for record {local.names[i]!r} but "
-                        f"{acc[name].channels} before; return (..., C) with the same C for every record",
+                        f"{before.channels} before; return (..., C) with the same C for every record",
                         field=name, sample=local.names[i],
                     )
-                acc[name] = acc[name].merge(m) if name in acc else m
+                _add(acc, name, int(slots[i]), m)
     except Exception as exc:
         return acc, exc, None
     return acc, None, None
+
+
+def _some(acc: _Acc, name: str) -> Moments | None:
+    """One of ``name``'s block moments on this rank (they all have its channels), or None."""
+    held = acc.get(name)
+    return next(iter(held.values())) if held else None
 
 
 def _check_some_finite(merged: Mapping[str, Moments], kind: str) -> None:
@@ -508,7 +548,8 @@ def compute_stats(
     expect = {name: _plain_channels(ds, name, per_channel) for name in names}
 
     rank, world = group_position(group)
-    local = rank_part(ds, rank, world)
+    rank_part(ds, rank, world)  # InvalidArgument for a part of ds not this rank's
+    local, slots, blocks = _blocks_part(ds, rank, world)
     fp = sidecar.fingerprint(ds, names, per_channel, list(derived), nonfinite)
     if derived_input is not None:
         fp = _join(fp, f"derived_input={derived_input}")
@@ -527,8 +568,8 @@ def compute_stats(
         loaded = _from_entry(entry, expect, list(derived)) if entry is not None else None
         if loaded is not None:  # every rank holds rank 0's entry: all return here, or none
             return _channels_last(loaded)
-        return _channels_last(_compute(ds, local, names, derived, per_channel, skip, expect, group, world, fp,
-                                       nonfinite, folder, lead, derived_input, reuse))
+        return _channels_last(_compute(ds, (local, slots, blocks), names, derived, per_channel, skip, expect, group,
+                                       world, fp, nonfinite, folder, lead, derived_input, reuse))
     finally:
         if held is not None:
             held.release()
@@ -618,26 +659,27 @@ def cached_entry(root: str, fp: str, lead: bool, world: int, group: Any) -> tupl
     return held, entry
 
 
-def _compute(ds: ZarrRecords, local: ZarrRecords, names: list[str], derived: Mapping[str, Derived],
+def _compute(ds: ZarrRecords, part: tuple[ZarrRecords, np.ndarray, int], names: list[str], derived: Mapping[str, Derived],
              per_channel: bool, skip: bool, expect: dict, group: Any, world: int, fp: str, nonfinite: str,
              folder: str | None, lead: bool, derived_input: str | None = "normalized",
              reuse: Mapping[str, FieldStats] | None = None) -> dict[str, FieldStats]:
     """Both passes; with a ``folder`` (the cache), the ``lead`` process writes the sidecar entry there and the
-    ranks meet at a barrier once it is in place."""
+    ranks meet at a barrier once it is in place. ``part``: what this rank reads (:func:`_blocks_part`)."""
+    local, slots, blocks = part
     # Pass 1: the stored fields (unless their statistics are given).
     if reuse is not None:
         result = {name: reuse[name] for name in names}
     else:
-        acc, error, found = _plain_pass(local, names, per_channel, skip)
-        plain_m = _merge_ranks(acc, names, expect, error, found, group, ds, "field")
+        acc, error, found = _plain_pass(local, slots, names, per_channel, skip)
+        plain_m = _merge_ranks(acc, names, expect, error, found, group, ds, "field", blocks)
         _check_some_finite(plain_m, "field")
         result = {name: FieldStats.from_moments(plain_m[name]) for name in names}
 
     # Pass 2 (derived quantities only): on samples normalised with pass 1's statistics.
     if derived:
-        acc, error, found = _derived_pass(local, result, derived, per_channel, skip, derived_input)
-        codes = {name: _channel_code(acc.get(name)) for name in derived}
-        derived_m = _merge_ranks(acc, list(derived), codes, error, found, group, ds, "derived")
+        acc, error, found = _derived_pass(local, slots, result, derived, per_channel, skip, derived_input)
+        codes = {name: _channel_code(_some(acc, name)) for name in derived}
+        derived_m = _merge_ranks(acc, list(derived), codes, error, found, group, ds, "derived", blocks)
         _check_some_finite(derived_m, "derived")
         result.update({name: FieldStats.from_moments(derived_m[name]) for name in derived})
 

@@ -32,7 +32,7 @@ from ...reader.metacache import stat_document
 from ...reader.ome import is_label_level
 from ...storage.cache import SizedLRU
 from ...config import Config
-from ...errors import BudgetExceeded, DtypeMismatch, NotYetSupported, ShutdownError, StokerError
+from ...errors import BudgetExceeded, DtypeMismatch, InvalidArgument, NotYetSupported, ShutdownError, StokerError
 from ...sampling.sample import Sample, parts
 from ...storage import LocalStore
 from ...storage.local import identity
@@ -207,6 +207,11 @@ class Coordinator:
             coding(reader, self.stores, options)
         if metas is not None:  # kept with the reader: evicted with it (see forget_rewritten)
             reader.derived["metadata_files"] = metas
+            # the metadata files found, each path with its identity: what each push looks at (_rewritten), a
+            # stat per file, no locate per array. A rewrite with zarr-python replaces or deletes them
+            folder = path if path.endswith(os.sep) else path + os.sep
+            reader.derived["metadata_found"] = tuple((folder + name, ident) for name, ident in
+                                                     zip(_METADATA_FILES, metas) if ident is not None)
         return reader
 
     def forget_rewritten(self) -> int:
@@ -384,11 +389,49 @@ class Coordinator:
         kept pipeline read the fill value for ever), and the local arrays rewritten since are forgotten
         (:meth:`forget_rewritten`). Shards read before are checked against their file's identity at each read
         already. Not at every push: a loop that pushes a batch's samples at a time would ask its store again
-        about every missing shard of a sparse array each batch (over an object store, a request each)."""
+        about every missing shard of a sparse array each batch (over an object store, a request each).
+
+        At every other push, the local arrays open are looked at (:meth:`_rewritten`, a ``stat`` per metadata
+        file): one rewritten since its open is forgotten (opened anew) when no batch is in flight and the
+        earlier pushes are used up, and the push is an InvalidArgument otherwise (batches of the old layout
+        in flight: never two layouts in one run, never the new files read by the old one)."""
         if self._used_up:
             self._used_up = False
             self._index_cache.forget_nones()
             self.forget_rewritten()
+            return
+        rewritten = self._rewritten()
+        if not rewritten:
+            return
+        with self.cond:
+            busy = self.in_flight()
+            drained = self.intake.drained()
+        if busy or not drained:
+            # batches made (or to be made) by the old layout's reader: forgetting it now mixes two layouts in one
+            # run, keeping it reads the new files by the old layout (silently wrong crops)
+            shown = ", ".join(rewritten[:3]) + (f" and {len(rewritten) - 3} more" if len(rewritten) > 3 else "")
+            raise InvalidArgument(
+                f"push: {shown} was rewritten (its metadata files changed) since this pipeline opened it, while "
+                f"{f'{busy} batches are in flight' if busy else 'an earlier push still has samples to give'} that "
+                "read it by its old layout. Pop every batch of the earlier pushes first (the next push then opens "
+                "the array anew), or make a new Pipeline")
+        self.forget_rewritten()
+
+    def _rewritten(self) -> list[str]:
+        """The local arrays open whose metadata files found at the open changed since (replaced, rewritten or
+        deleted: zarr-python's overwrite): a ``stat`` per file, one for an array of Zarr v3 (1,000 open arrays
+        cost a few milliseconds per push). :meth:`forget_rewritten` looks at the files not found too."""
+        changed = []
+        for uri, reader in self._readers.items():
+            for path, ident in reader.derived.get("metadata_found", ()):
+                try:
+                    st = os.stat(path)
+                except (OSError, ValueError):
+                    st = None
+                if st is None or identity(st) != ident:
+                    changed.append(uri)
+                    break
+        return changed
 
     def used_up(self) -> None:
         """The pushes so far are used up (:meth:`Pipeline.drop_used_up`, between two epochs of a pipeline kept

@@ -169,7 +169,9 @@ class Pipeline:
         for executor in self._executors():  # a new push reads its files again (csrc/pool.c "Reused")
             if isinstance(executor, CpuExecutor):
                 executor.pushed()
-        self._coordinator.pushed()  # after drop_used_up: shards found missing and arrays rewritten looked at again
+        # arrays rewritten since they were opened are looked at (refused while batches of them are in flight),
+        # and after drop_used_up the shards found missing too
+        self._coordinator.pushed()
         self._intake.push(samples)
         self._coordinator.start()
 
@@ -455,7 +457,9 @@ class Pipeline:
         open the next push's first batch, and their positions: ``state_dict()["sources"]`` then lists only
         pushes made after this call. Local arrays rewritten before the next push (their metadata files changed
         since they were opened) are opened anew by its batches, and shards found not stored are looked for
-        again, as a new pipeline would (a pipeline pushed again without this call keeps what it learnt). For a
+        again, as a new pipeline would (a pipeline pushed again without this call keeps the shards it found missing;
+an array rewritten meanwhile is opened anew by any push made with no batch in flight, and refused by one made
+with batches in flight). For a
         loop that keeps one pipeline across epochs and wants each epoch's batches to be its own, as
         :class:`~stoker.CropDataset` with ``persistent=True`` does. Returns the samples dropped;
         ``InvalidArgument`` while a push still has samples to give or a batch is in flight.

@@ -1,0 +1,65 @@
+"""A plain Pipeline pushed again after one of its local arrays was rewritten with another layout (zarr-python's
+overwrite, same path): the next push reads it by its new metadata, never the new files by the old layout."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+import stoker
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _write(uri, seed, chunks, zarr_format=3):
+    z = zarr.create_array(uri, shape=(32, 32), chunks=chunks, dtype="int16", overwrite=True, zarr_format=zarr_format)
+    z[:] = np.random.default_rng(seed).integers(-3000, 3000, z.shape, dtype=np.int16)
+    return z[:]
+
+
+def _samples(uri, n=8):
+    return [stoker.Sample(uri, ((i, i + 8), (2 * i, 2 * i + 8))) for i in range(n)]
+
+
+def _cfg():
+    return stoker.Config(batch_size=4, dtype="f32", device="cpu", sample_shape=(8, 8), n_compute_threads=1,
+                         lookahead_batches=1, pop_timeout_s=20)
+
+
+def _pop(p):
+    with p.pop() as b:
+        return torch.from_dlpack(b).numpy().copy()
+
+
+def _want(data, samples):
+    return np.stack([data[tuple(slice(*ax) for ax in s.aabb)] for s in samples]).astype("f4")
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_a_push_after_a_rewrite_reads_the_new_layout(tmp_path, zarr_format):
+    uri = str(tmp_path / "a.zarr")
+    data = _write(uri, 0, (8, 8), zarr_format)
+    samples = _samples(uri)
+    with stoker.Pipeline(_cfg()) as p:
+        for seed, chunks in [(1, (16, 4)), (2, (4, 32)), (3, (8, 8))]:
+            p.push(samples)
+            got = np.concatenate([_pop(p) for _ in range(2)])
+            assert np.array_equal(got, _want(data, samples))
+            data = _write(uri, seed, chunks, zarr_format)  # no drop_used_up: the next push must still see it
+
+
+def test_a_push_after_a_rewrite_with_batches_of_the_old_layout_in_flight_is_refused(tmp_path):
+    uri = str(tmp_path / "a.zarr")
+    data = _write(uri, 0, (8, 8))
+    samples = _samples(uri)
+    with stoker.Pipeline(_cfg()) as p:
+        p.push(samples)
+        assert np.array_equal(_pop(p), _want(data, samples[:4]))
+        new = _write(uri, 1, (16, 4))
+        with pytest.raises(stoker.errors.InvalidArgument, match="rewritten.*Pop every batch"):
+            p.push(samples)
+        p.pop()  # the earlier push's last batch (by whichever layout: the rewrite raced it)
+        p.push(samples)  # nothing in flight now: the array is opened anew
+        got = np.concatenate([_pop(p) for _ in range(2)])
+        assert np.array_equal(got, _want(new, samples))
