@@ -6,6 +6,7 @@ import dataclasses
 import time
 import warnings
 from collections import OrderedDict, namedtuple
+from typing import Generic, TypeVar
 
 import numpy as np
 import pytest
@@ -456,6 +457,58 @@ def test_map_batch_copies_a_dataclass_without_running_its_post_init_again():
     assert type(out) is _Scaled and out.x.tolist() == [4.0, -5.0]  # 3x, then the leaf's +1: not 9x
     assert out.mask.tolist() == [2, 1] and sorted(seen) == ["batch.mask", "batch.x"]
     assert batch.x.tolist() == [3.0, -6.0]  # the input untouched
+
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass
+class _GenericBatch(Generic[T]):
+    x: torch.Tensor
+    meta: T
+
+
+class _Helper:
+    """An object of the user's own, holding an array map_batch cannot reach (not a field of the batch)."""
+
+    def __init__(self) -> None:
+        self.table = np.zeros(3)
+
+
+def test_map_batch_passes_a_dataclass_attributes_that_hold_no_tensors_as_they_are():
+    """Regression: every attribute of a dataclass was walked: a Generic dataclass's ``__orig_class__`` (set by
+    ``Batch[str](...)``) led to the torch.Tensor class through its annotations, and a helper object holding an
+    array was refused, both with a TypeError. Fields, and attributes holding tensors or arrays in containers,
+    are moved; dunder attributes and other objects pass unchanged."""
+    batch = _GenericBatch[str](torch.zeros(2), "a")
+    batch.helper = _Helper()
+    batch.masks = {"m": [torch.ones(1)], "n": []}  # plain data holding a tensor: moved
+    seen, leaf = _recording()
+    out = pin.map_batch(batch, leaf)
+    assert out.x.tolist() == [1.0, 1.0] and out.meta == "a"
+    assert out.__orig_class__ is batch.__orig_class__ and out.helper is batch.helper
+    assert out.masks["m"][0].tolist() == [2.0] and out.masks["n"] == []
+    assert sorted(seen) == ["batch.masks['m'][0]", "batch.x"]
+    assert pin.to_device(batch, torch.device("cpu")).meta == "a"
+
+
+@dataclasses.dataclass(frozen=True)
+class _SelfCopying:
+    x: torch.Tensor
+
+    def __copy__(self):
+        return self  # an immutable type's shortcut
+
+
+def test_map_batch_never_moves_into_a_dataclass_whose_copy_is_itself():
+    """Regression: ``copy.copy`` of a dataclass whose ``__copy__`` returns ``self`` gave the input, whose
+    attributes were then replaced in place (a frozen one's too): the caller's batch changed under it."""
+    batch = _SelfCopying(torch.zeros(2))
+    before = batch.x
+    seen, leaf = _recording()
+    out = pin.map_batch(batch, leaf)
+    assert out is not batch and type(out) is _SelfCopying and out.x.tolist() == [1.0, 1.0]
+    assert batch.x is before and batch.x.tolist() == [0.0, 0.0]
 
 
 class _Slotted:

@@ -242,6 +242,10 @@ def test_a_fractional_crop_is_refused_not_truncated(volume, tmp_path, with_grid)
             stoker.TileWriter(str(out), SHAPE, (4, 8, 8), "f4", crop=crop, grid=grid)
         assert getattr(err.value, "knob", "crop") == "crop"
         assert not out.exists()
+    for crop, said in ((1.5, "got the float 1.5"), (True, "not a bool"), (-1, "got the int -1")):
+        with pytest.raises(stoker.InvalidArgument, match="crop must be an integer >= 0") as err:  # a scalar's
+            stoker.TileWriter(str(out), SHAPE, (4, 8, 8), "f4", crop=crop, grid=grid)
+        assert said in str(err.value) and "sequence of integers >= 0, got (" not in str(err.value)
     w = stoker.TileWriter(str(out), SHAPE, (4, 8, 8), "f4", crop=2.0, grid=grid, write_threads=0)
     for tile in w.pending(tiled):
         w.write([tile], data[tuple(slice(a, b) for a, b in tile.aabb)][None])

@@ -335,3 +335,114 @@ def test_a_label_image_without_the_channel_axis_is_placed_by_axis_names(tmp_path
     assert level_scale(f"{image}/labels/cells/0") == (2, 2)
     assert level_scale(f"{image}/labels/cells/1") == (4, 4)
     assert level_scale(f"{image}/1") == (1, 2, 2)
+
+
+@pytest.mark.parametrize("fmt", [2, 3])
+@pytest.mark.parametrize("pixel", [(1.0, 0.5, 0.5), (2.0, 0.325, 0.325)])
+def test_a_label_image_written_with_default_transforms_lies_on_its_image_voxels(tmp_path, fmt, pixel):
+    """ome-zarr-py's ``write_labels`` given no transforms writes the label image's level 0 at scale 1 on every
+    axis, over an image whose level 0 has a physical pixel size: the same shape, so the same voxels. It was
+    placed by physical scale: at (1, 2, 2) for a 0.5 pixel (crops read other voxels' labels), and a 0.325
+    pixel was a MetadataError. The shapes now decide: scale 1, and every label crop is its raw crop."""
+    import stoker
+
+    writer = pytest.importorskip("ome_zarr.writer")
+    from ome_zarr.format import FormatV04, FormatV05
+
+    image = str(tmp_path / "img.ome.zarr")
+    z, y, x = np.meshgrid(np.arange(4), np.arange(32), np.arange(32), indexing="ij")
+    raw = (z * 10_000 + y * 100 + x).astype("uint32")
+    group = zarr.open_group(image, mode="w", zarr_format=fmt)
+    ome = FormatV04() if fmt == 2 else FormatV05()
+    writer.write_image(raw, group, axes="zyx", fmt=ome, scale_factors=(2,), scale=dict(zip("zyx", pixel)))
+    writer.write_labels(raw, group, name="cells", axes="zyx", fmt=ome, scale_factors=(2,))
+    assert level_scale(f"{image}/labels/cells/s0") is None
+    assert level_scale(f"{image}/labels/cells/s1") == (1, 2, 2)
+    coarse = zarr.open_array(f"{image}/labels/cells/s1")[...]
+    fields = {"raw": stoker.Field(f"{image}/s0", (2, 8, 8)),
+              "labels": stoker.Field(f"{image}/labels/cells/s0", (2, 8, 8)),
+              "coarse": stoker.Field(f"{image}/labels/cells/s1", (2, 4, 4))}
+    source = stoker.RandomCrops(fields, seed=0, samples_per_epoch=12).for_rank(0, 1)
+    with stoker.Pipeline(stoker.Config(batch_size=4, dtype="i64")) as p:
+        p.push(source)
+        for _ in range(3):
+            with p.pop() as batch:
+                got = {k: torch_numpy(v) for k, v in batch.items()}
+                for i, sample in enumerate(batch.samples):
+                    a = [lo for lo, _ in sample["raw"].aabb]
+                    want = raw[a[0]:a[0] + 2, a[1]:a[1] + 8, a[2]:a[2] + 8]
+                    np.testing.assert_array_equal(got["raw"][i], want)
+                    np.testing.assert_array_equal(got["labels"][i], want)  # voxel for voxel
+                    c = [lo for lo, _ in sample["coarse"].aabb]
+                    assert c == [a[0], a[1] // 2, a[2] // 2]
+                    np.testing.assert_array_equal(got["coarse"][i], coarse[c[0]:c[0] + 2, c[1]:c[1] + 4, c[2]:c[2] + 4])
+
+
+def _label_pair(path: str, fmt: int, label_shape: tuple, label_scale: list, label_shift: list | None = None) -> str:
+    """An image (level 0 of shape (8, 16, 16), pixel (1, 0.5, 0.5), translated (0, 10, 10)) with a one-level
+    label image ``labels/cells`` of the given shape, scale and translation; the label level's URI."""
+    axes = [{"name": a, "type": "space"} for a in "zyx"]
+    g = zarr.open_group(path, mode="w", zarr_format=fmt)
+    g.create_array("0", shape=(8, 16, 16), chunks=(8, 8, 8), dtype="uint8")
+    cells = zarr.open_group(f"{path}/labels/cells", mode="w", zarr_format=fmt)
+    cells.create_array("0", shape=label_shape, chunks=(8, 8, 8), dtype="uint32")
+    image = {"axes": axes, "datasets": [{"path": "0", "coordinateTransformations": [
+        {"type": "scale", "scale": [1.0, 0.5, 0.5]}, {"type": "translation", "translation": [0.0, 10.0, 10.0]}]}]}
+    transforms = [{"type": "scale", "scale": label_scale}]
+    if label_shift is not None:
+        transforms.append({"type": "translation", "translation": label_shift})
+    label = {"axes": axes, "datasets": [{"path": "0", "coordinateTransformations": transforms}]}
+    if fmt == 2:
+        g.attrs["multiscales"] = [{**image, "version": "0.4"}]
+        cells.attrs.update({"multiscales": [{**label, "version": "0.4"}], "image-label": {"version": "0.4"}})
+    else:
+        g.attrs["ome"] = {"version": "0.5", "multiscales": [image]}
+        cells.attrs["ome"] = {"version": "0.5", "multiscales": [label], "image-label": {"version": "0.5"}}
+    return f"{path}/labels/cells/0"
+
+
+@pytest.mark.parametrize("fmt", [2, 3])
+def test_a_label_image_of_another_shape_is_placed_by_physical_scale_the_shapes_check(tmp_path, fmt):
+    """The same shape: scale 1, the translations not compared (the label's has none). Another shape: the
+    physical ratio, which must make the label's shape from the image's (rounded down or up), with translations
+    that agree; else a MetadataError naming both shapes and scales and ``scale=``."""
+    from stoker.errors import MetadataError
+
+    assert level_scale(_label_pair(str(tmp_path / "same"), fmt, (8, 16, 16), [1.0, 1.0, 1.0])) is None
+    half = _label_pair(str(tmp_path / "half"), fmt, (8, 8, 8), [1.0, 1.0, 1.0], [0.0, 10.0, 10.0])
+    assert level_scale(half) == (1, 2, 2)
+    with pytest.raises(MetadataError) as bad_shape:
+        level_scale(_label_pair(str(tmp_path / "bad"), fmt, (8, 5, 5), [1.0, 1.0, 1.0], [0.0, 10.0, 10.0]))
+    message = str(bad_shape.value)
+    assert "(8, 5, 5)" in message and "(8, 16, 16)" in message and "[1.0, 0.5, 0.5]" in message
+    assert "Field(..., scale=...)" in message
+    with pytest.raises(MetadataError, match="0.5 level-0|not a whole number"):
+        level_scale(_label_pair(str(tmp_path / "finer"), fmt, (8, 32, 20), [1.0, 0.25, 0.25]))
+    with pytest.raises(MetadataError) as moved:  # a ratio of 1 on z: only 0 allowed there, said so
+        level_scale(_label_pair(str(tmp_path / "moved"), fmt, (8, 8, 8), [1.0, 1.0, 1.0], [2.0, 10.0, 10.0]))
+    message = str(moved.value)
+    assert "axis 0" in message and "the level 0 of the image whose labels/ holds it" in message
+    assert "a translation of 0)" in message and "0 or 0)" not in message
+
+
+@pytest.mark.parametrize("fmt", [2, 3])
+def test_a_remote_label_image_is_placed_by_the_shapes_too(tmp_path, fmt):
+    """Over http (the level-0 shapes read through the store's metadata): the same shape is scale 1, half the
+    shape the physical ratio, and a shape no ratio gives the error, as for a local image."""
+    from range_server import RangeServer
+
+    from stoker.errors import MetadataError
+
+    _label_pair(str(tmp_path / "same"), fmt, (8, 16, 16), [1.0, 1.0, 1.0])
+    _label_pair(str(tmp_path / "half"), fmt, (8, 8, 8), [1.0, 1.0, 1.0], [0.0, 10.0, 10.0])
+    _label_pair(str(tmp_path / "bad"), fmt, (8, 5, 5), [1.0, 1.0, 1.0], [0.0, 10.0, 10.0])
+    server = RangeServer(str(tmp_path))
+    stores = Stores()
+    try:
+        assert level_scale(f"{server.url}/same/labels/cells/0", None, stores) is None
+        assert level_scale(f"{server.url}/half/labels/cells/0", None, stores) == (1, 2, 2)
+        with pytest.raises(MetadataError, match=r"\(8, 5, 5\).*\(8, 16, 16\)"):
+            level_scale(f"{server.url}/bad/labels/cells/0", None, stores)
+    finally:
+        stores.close()
+        server.shutdown()

@@ -732,3 +732,39 @@ def test_the_writer_thread_leaves_when_idle_and_the_next_put_starts_another(tmp_
     [again] = set(writers()) - before - {mine}
     again.join(10)
     assert not again.is_alive()
+
+
+def test_a_writer_thread_the_system_refuses_drops_the_entry_with_one_warning(tmp_path, monkeypatch):
+    """Regression: where a put found the idle writer gone and the system gave no new thread (none left, the
+    interpreter shutting down), ``Thread.start``'s RuntimeError escaped ``put`` into the read, and the thread
+    never started stayed the cache's writer: every entry queued after was never written. The entry is taken
+    back (read uncached, settled as a loss), one warning says why, and the next put starts a writer again."""
+    import threading
+
+    monkeypatch.setattr(diskcache, "WRITER_IDLE_S", 0.05)
+    cache = DiskCache(str(tmp_path / "c"), 1 << 20)
+    cache.put("a", b"a" * 100)
+    assert cache.flush(10)
+    deadline = time.monotonic() + 10
+    while cache._thread is not None and time.monotonic() < deadline:  # the idle writer leaves
+        time.sleep(0.01)
+    assert cache._thread is None
+    start = threading.Thread.start
+
+    def refused(self):
+        if self.name == "stoker-diskcache":
+            raise RuntimeError("can't start new thread")
+        return start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", refused)
+    losses = cache.losses
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cache.put("b", b"b" * 100)  # no error
+        cache.put("b2", b"c" * 100)
+    assert [str(w.message).count("no writer thread could be started") for w in caught] == [1]
+    assert not cache.queued("b") and not cache.queued("b2") and cache.flush(1)
+    assert cache.losses == losses + 2 and cache.settled == cache.tickets
+    monkeypatch.setattr(threading.Thread, "start", start)
+    cache.put("c", b"d" * 100)
+    assert cache.flush(10) and bytes(cache.get("c")) == b"d" * 100 and cache.get("b") is None

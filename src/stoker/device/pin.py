@@ -21,7 +21,7 @@ import threading
 import warnings
 from collections import deque
 from collections.abc import Mapping
-from typing import Any, Callable, Iterator, Protocol, TypeVar, cast, runtime_checkable
+from typing import Any, Callable, Iterable, Iterator, Protocol, TypeVar, cast, runtime_checkable
 
 import numpy as np
 import torch
@@ -83,6 +83,59 @@ def _attributes(obj: Any) -> list[tuple[str, Any]]:
     return attrs
 
 
+def _shallow_copy(obj: Any, path: str) -> Any:
+    """A shallow copy of the dataclass ``obj``, never ``obj`` itself: a ``__copy__`` that returns ``self`` (an
+    immutable type's) would have its attributes replaced in place, the caller's batch moved under it."""
+    new = copy.copy(obj)
+    if new is not obj:
+        return new
+    try:
+        new = object.__new__(type(obj))
+    except TypeError as exc:
+        raise TypeError(f"cannot move {path}: {type(obj).__name__}.__copy__ returns the object itself, and stoker "
+                        f"cannot make a copy to move into ({exc}); return a copy from __copy__, or implement "
+                        "pin_memory() and to() (see stoker.device.pin.Pinnable)") from exc
+    for name, value in _attributes(obj):
+        object.__setattr__(new, name, value)
+    return new
+
+
+def _holds_tensors(value: Any) -> bool:
+    """Whether ``value`` is a tensor or a numeric numpy array, or dicts, lists, tuples, sets, deques and
+    dataclass instances (their fields) of those and scalars holding one, at most 6 deep: what :func:`map_batch`
+    moves in a dataclass's attribute that is no field. Anything else in it (an object of its own, a class) and
+    it is passed on as it is."""
+    return _plain_data(value, 0) is True
+
+
+def _plain_data(value: Any, depth: int) -> bool | None:
+    """True: plain data holding a tensor or array; None: plain data holding none (scalars, empty containers);
+    False: something else (see :func:`_holds_tensors`)."""
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, np.ndarray):
+        return not (value.dtype.hasobject or value.dtype.kind in "USV")
+    if isinstance(value, _SCALARS):
+        return None
+    if depth >= _MAX_OBJECT_DEPTH or isinstance(value, type):
+        return False
+    if isinstance(value, Mapping):
+        values: Iterable[Any] = value.values()
+    elif isinstance(value, (list, tuple, deque, set, frozenset)):
+        values = value
+    elif dataclasses.is_dataclass(value):
+        values = [getattr(value, f.name) for f in dataclasses.fields(value) if hasattr(value, f.name)]
+    else:
+        return False
+    found = None
+    for v in values:
+        held = _plain_data(v, depth + 1)
+        if held is False:
+            return False
+        found = found or held
+    return found
+
+
 def _find_array_leaf(obj: Any, path: str, depth: int = 0) -> str | None:
     """Path of the first attribute holding array data inside an unknown object, if any."""
     if isinstance(obj, (torch.Tensor, np.ndarray)) or _holds_array_data(obj):
@@ -107,8 +160,9 @@ def map_batch(obj: Any, leaf: Callable[[torch.Tensor, str], torch.Tensor], path:
     """Rebuild ``obj`` with ``leaf(tensor, path)`` applied to every tensor (numpy arrays become tensors).
 
     Containers keep their types: dicts (a subclass its attributes, a defaultdict its default_factory), lists,
-    tuples, namedtuples, deques (their maxlen), sets, frozensets, dataclasses (a copy, every attribute mapped:
-    ``__init__`` and ``__post_init__`` are not run again). ``hook(obj)`` lets an object handle itself (e.g.
+    tuples, namedtuples, deques (their maxlen), sets, frozensets, dataclasses (a copy, its fields mapped and its
+    other attributes where they hold tensors in plain containers, the rest kept: ``__init__`` and
+    ``__post_init__`` are not run again). ``hook(obj)`` lets an object handle itself (e.g.
     call its own ``pin_memory()``, the :class:`Pinnable` protocol); it returns
     ``NotImplemented`` for objects it does not apply to. Scalars and strings pass
     through; any other object that holds array data raises ``TypeError`` naming the
@@ -187,9 +241,14 @@ class _Mapper:
             # a copy, its attributes set: not dataclasses.replace, whose __init__ runs __post_init__ again (a
             # scaling there applied twice, silently) and refuses an InitVar; the attributes __post_init__ made,
             # and those set since, are mapped with the fields (a mask derived there is moved too)
-            new = copy.copy(obj)
+            new = _shallow_copy(obj, path)
+            fields = {f.name for f in dataclasses.fields(obj)}
             for name, value in _attributes(obj):
-                object.__setattr__(new, name, walk(value, f"{path}.{name}"))  # (a frozen one's too)
+                # a field is mapped; another attribute only where it holds tensors or arrays in what map_batch
+                # rebuilds (a mask made by __post_init__): a helper object, a model or typing's __orig_class__
+                # (a Generic's, a class) passes as it is, as it did before attributes were mapped
+                if name in fields or (not (name.startswith("__") and name.endswith("__")) and _holds_tensors(value)):
+                    object.__setattr__(new, name, walk(value, f"{path}.{name}"))  # (a frozen one's too)
             return new
         found = _find_array_leaf(obj, path)
         if found is not None:

@@ -1007,7 +1007,15 @@ def _crops(crop: Any, ndim: int) -> tuple[int, ...]:
         crops: tuple[int, ...] = (0,) * ndim
     else:  # a fraction (1.5, or (1.7, 2)) refused, never truncated into another margin
         scalar = not isinstance(crop, (str, bytes)) and not hasattr(crop, "__iter__")
-        crops = integers(f"TileWriter(crop={crop!r}): crop", (crop,) * ndim if scalar else crop, 0, knob="crop")
+        if scalar:
+            try:
+                crops = integers("crop", (crop,), 0) * ndim
+            except InvalidArgument:  # said of the scalar given, not of a sequence the user never wrote
+                raise InvalidArgument(
+                    f"TileWriter(crop={crop!r}): crop must be an integer >= 0 (not a bool), or a sequence of them, "
+                    f"one per spatial axis; got the {type(crop).__name__} {crop!r}", knob="crop") from None
+        else:
+            crops = integers(f"TileWriter(crop={crop!r}): crop", crop, 0, knob="crop")
     if len(crops) != ndim or min(crops) < 0:
         raise InvalidArgument(f"TileWriter(crop={crop!r}): one non-negative margin, or one per spatial axis",
                               knob="crop")

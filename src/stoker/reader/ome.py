@@ -14,8 +14,12 @@ multiscale's own transforms apply to every level alike and cancel in that ratio.
 
 A label image (``image-label`` in its group's metadata, at ``<image>/labels/<name>`` as the spec has it) is a
 pyramid of its own, and its level 0 may be coarser than its image's (a segmentation at half the resolution):
-its levels are placed over the level 0 of the image that holds it, the label's own level 0 over that
-(their physical scales, the multiscales' own transforms included) and each level over the label's level 0.
+its levels are placed over the level 0 of the image that holds it, the label's own level 0 over that and each
+level over the label's level 0. The two level-0 arrays' shapes decide (one metadata read each): the same shape
+is scale 1 on every axis, whatever the physical scales say (ome-zarr-py writes a label image at scale 1 when
+given no transforms, over an image in micrometres); another shape takes the ratio of their physical scales
+(the multiscales' own transforms included), which must be whole, make the label's shape from the image's
+(rounded down or up) and come with translations that agree, else a MetadataError says to pass the scale.
 
 stoker places voxel ``i`` of a level of scale ``r`` over level-0 voxels ``[i * r, (i + 1) * r)``. A level's
 ``translation`` relative to level 0's must say the same: 0, or the half-voxel shift ``(r - 1) / 2`` level-0
@@ -27,11 +31,12 @@ from __future__ import annotations
 
 import os
 import posixpath
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 from ..errors import MetadataError
 from ..storage.hierarchy import read_group_node
 from ..storage.local import read_regular
+from ..storage import default_store
 from ..storage.locate import Stores, default_stores, locate
 
 #: how far a ratio of float scales may be from an integer and still be that integer (they are written as
@@ -78,8 +83,8 @@ def level_scale(uri: str | os.PathLike, storage_options: dict | None = None,
             # levels over its level 0, each step checked on its own (a writer may shift one and not the other)
             parent = _parent_base(ancestors, name, uri, _axis_names(multiscale))
             first = None if parent is None else \
-                _ratios(parent, _physical(multiscale, datasets[0], uri, paths[0]), uri, paths[0],
-                        "the level 0 of the image whose labels/ holds it")
+                _label_over_image(parent, _physical(multiscale, datasets[0], uri, paths[0]), uri, name, paths[0],
+                                  storage_options, stores)
             if first is None or own is None:
                 return first or own
             return tuple(a * b for a, b in zip(first, own))
@@ -149,19 +154,28 @@ def _axis_names(multiscale: Any) -> list[str] | None:
 def _by_names(transform: "Transform", names: list[str] | None, mine: list[str] | None) -> "Transform":
     """The parent image's ``transform`` on the label image's axes, picked by name where the two have other axes
     (a ``zyx`` label image of a ``czyx`` image); as it is where the names do not say."""
-    if names is None or mine is None or names == mine or not set(mine) <= set(names):
+    pick = _pick(names, mine)
+    if pick is None or names is None:
         return transform
-    pick = [names.index(n) for n in mine]
     return tuple(None if t is None or len(t) != len(names) else [t[i] for i in pick]  # type: ignore[return-value]
                  for t in transform)
 
 
+class _Parent(NamedTuple):
+    """The level 0 of the image a label image belongs to (see :func:`_parent_base`)."""
+
+    transform: "Transform"  # its physical (scale, translation), on the label image's axes
+    path: str  # its array's path below the image group
+    below: str  # the label array's path below the image group
+    pick: list[int] | None  # the image axes the label image's are, in its order (None: all, as they are)
+
+
 def _parent_base(ancestors: Iterator[tuple[Any, str]], name: str, uri: str,
-                 axes: list[str] | None = None) -> "Transform | None":
-    """The physical ``(scale, translation)`` of level 0 of the image a label image belongs to (the spec puts it
-    at ``<image>/labels/<label>``): the label's levels are placed over that image's voxels, so a label image
-    written at half the image's resolution (its own level 0 of scale 2) is not taken as the reference. None
-    where no such image is found above it (the label image's own level 0 is the reference then, as before)."""
+                 axes: list[str] | None = None) -> "_Parent | None":
+    """Level 0 of the image a label image belongs to (the spec puts it at ``<image>/labels/<label>``): the
+    label's levels are placed over that image's voxels, so a label image written at half the image's
+    resolution (its own level 0 of scale 2) is not taken as the reference. None where no such image is found
+    above it (the label image's own level 0 is the reference then, as before)."""
     for attrs, path in ancestors:
         multiscales = _multiscales(attrs)
         if multiscales is None:
@@ -171,11 +185,81 @@ def _parent_base(ancestors: Iterator[tuple[Any, str]], name: str, uri: str,
             return None  # the nearest image above is not the one whose labels/ holds it
         for multiscale in multiscales:
             datasets = multiscale.get("datasets") if isinstance(multiscale, dict) else None
-            if isinstance(datasets, list) and datasets:
-                return _by_names(_physical(multiscale, datasets[0], uri, _dataset_path(datasets[0])),
-                                 _axis_names(multiscale), axes)
+            if isinstance(datasets, list) and datasets and isinstance(_dataset_path(datasets[0]), str):
+                names = _axis_names(multiscale)
+                pick = _pick(names, axes)
+                physical = _physical(multiscale, datasets[0], uri, _dataset_path(datasets[0]))
+                return _Parent(_by_names(physical, names, axes), _dataset_path(datasets[0]), path, pick)
         return None
     return None
+
+
+def _pick(names: list[str] | None, mine: list[str] | None) -> list[int] | None:
+    """Which of the image's axes (``names``) the label image's (``mine``) are, by name; None where they are
+    the same or the names do not say (the axes are taken as they are)."""
+    if names is None or mine is None or names == mine or not set(mine) <= set(names):
+        return None
+    return [names.index(n) for n in mine]
+
+
+def _label_over_image(parent: _Parent, label: "Transform", uri: str, name: str, level0: str,
+                      storage_options: dict | None, stores: Stores | None) -> tuple[int, ...] | None:
+    """How many of the image's level-0 voxels one voxel of the label image's level 0 spans, per axis; the
+    shapes of the two level-0 arrays are the arbiter (one metadata read each). The same shape: 1 on every axis,
+    whatever the physical scales say (ome-zarr-py writes a label image's level 0 at scale 1 when given no
+    transforms, over an image of micrometre scales: it is the image's voxel grid all the same). Another shape:
+    the physical ratio, which must be whole and give the label's shape from the image's (divided by it,
+    rounded down or up, as block-downsampling writers do), and the translations must agree; else a
+    MetadataError naming both, that says to give the scale."""
+    image_shape = _shape_beside(uri, name, parent.below, parent.path, storage_options, stores)
+    label_shape = _shape_beside(uri, name, name, level0, storage_options, stores)
+    if parent.pick is not None and all(i < len(image_shape) for i in parent.pick):  # the label's axes of it
+        image_shape = tuple(image_shape[i] for i in parent.pick)
+    if label_shape == image_shape:
+        return None
+    scales = f"the physical scales {label[0]} and {parent.transform[0]}"
+
+    def mismatch(why: str) -> MetadataError:
+        return MetadataError(
+            f"{uri}: the OME-Zarr label image's level 0 {level0!r} has shape {label_shape}, its image's level 0 "
+            f"{parent.path!r} {image_shape}, and {scales} {why}; stoker cannot tell which image voxels a label "
+            "voxel covers: pass the label's scale over the image's level 0 explicitly (Field(..., scale=...), "
+            "Mask(..., scale=...))", uri=uri)
+    if len(label_shape) != len(image_shape) or label[0] is None or parent.transform[0] is None \
+            or len(label[0]) != len(parent.transform[0]):
+        raise mismatch("do not give a ratio per axis")
+    try:
+        ratios = tuple(_ratio(m, b, uri, level0, axis) for axis, (m, b) in enumerate(zip(label[0], parent.transform[0])))
+    except MetadataError:
+        raise mismatch("give a ratio that is not a whole number >= 1 on some axis") from None
+    if any(n not in (size // r, -(-size // r)) for n, size, r in zip(label_shape, image_shape, ratios)):
+        raise mismatch(f"give the ratio {ratios}, which does not make the one shape from the other")
+    _check_shift(parent.transform, label, parent.transform[0], ratios, uri, level0,
+                 against="the level 0 of the image whose labels/ holds it")
+    return None if all(r == 1 for r in ratios) else ratios
+
+
+def _shape_beside(uri: str, name: str, below: str, path: str, storage_options: dict | None,
+                  stores: Stores | None) -> tuple[int, ...]:
+    """The shape of the array at ``path`` below the group that holds the array at ``uri`` as ``below`` (``name``
+    is its path below its own group, both as :func:`_ancestor_attributes` gives them): its metadata read."""
+    from .array import read_metadata, read_store_metadata  # (array.py is heavy; only label images need it)
+
+    loc = locate(uri)
+    up = len(below.split("/"))
+    if loc.is_local:
+        assert loc.path is not None
+        group = os.path.normpath(loc.path)
+        for _ in range(up):
+            group = os.path.dirname(group)
+        target = os.path.join(group, *path.split("/"))
+        return tuple(read_metadata(target, default_store(), uri=target).shape)
+    group = loc.prefix or ""
+    for _ in range(up):
+        group = posixpath.dirname(group)
+    key = f"{group}/{path}" if group else path
+    _, hierarchy = (stores or default_stores()).get(loc, storage_options)
+    return tuple(read_store_metadata(hierarchy, key, f"{uri} ({key})").shape)
 
 
 def _physical(multiscale: Any, dataset: dict, uri: str, name: Any) -> Transform:
@@ -222,25 +306,28 @@ def _transform(dataset: dict, kind: str, uri: str, name: Any) -> list[float] | N
 
 
 def _check_shift(base_set: Transform, level_set: Transform, base: list[float], ratios: tuple[int, ...], uri: str,
-                 name: str) -> None:
-    """MetadataError unless the level's translation relative to level 0's places its voxel ``i`` over level-0
-    voxels ``[i * r, (i + 1) * r)``: a shift of 0 or ``(r - 1) / 2`` level-0 voxels on every axis (each set a
-    ``(scale, translation)`` pair)."""
+                 name: str, against: str = "level 0") -> None:
+    """MetadataError unless the level's translation relative to ``against``'s (its level 0, or a label image's
+    image's) places its voxel ``i`` over that level's voxels ``[i * r, (i + 1) * r)``: a shift of 0 or
+    ``(r - 1) / 2`` of them on every axis (each set a ``(scale, translation)`` pair)."""
     zero = [0.0] * len(base)
     mine = level_set[1] or zero
     first = base_set[1] or zero
     if len(mine) != len(base) or len(first) != len(base):
-        raise MetadataError(f"{uri}: the translation of OME-Zarr level {name!r} ({mine}) or of level 0 ({first}) "
+        raise MetadataError(f"{uri}: the translation of OME-Zarr level {name!r} ({mine}) or of {against} ({first}) "
                             f"does not have one value per axis ({len(base)}); fix the image's multiscales metadata",
                             uri=uri)
     for axis, (t, t0, b, r) in enumerate(zip(mine, first, base, ratios)):
         shift = (t - t0) / b if b > 0 else float("nan")
-        if not any(abs(shift - ok) <= _TOLERANCE * max(1, r) for ok in (0.0, (r - 1) / 2)):
+        allowed = (0.0,) if r == 1 else (0.0, (r - 1) / 2)
+        if not any(abs(shift - ok) <= _TOLERANCE * max(1, r) for ok in allowed):
+            said = "0" if r == 1 else f"0 or {(r - 1) / 2:g}"
+            voxels = "level-0 voxels" if against == "level 0" else "of its voxels"
             raise MetadataError(
-                f"{uri}: OME-Zarr level {name!r} is translated {shift:g} level-0 voxels from level 0 on axis {axis}; "
-                f"stoker places its voxel i over level-0 voxels [i*{r}, (i+1)*{r}) (a translation of 0 or "
-                f"{(r - 1) / 2:g}), so it would read the wrong place: pass the scale explicitly "
-                "(Field(..., scale=...), Mask(..., scale=...)) and fold the shift into the offset", uri=uri, axis=axis)
+                f"{uri}: OME-Zarr level {name!r} is translated {shift:g} {voxels} from {against} on axis {axis}; "
+                f"stoker places its voxel i over those voxels [i*{r}, (i+1)*{r}) (a translation of {said}), "
+                "so it would read the wrong place: pass the scale explicitly (Field(..., scale=...), "
+                "Mask(..., scale=...)) and fold the shift into the offset", uri=uri, axis=axis)
 
 
 def _scale(dataset: dict, uri: str, name: Any) -> list[float] | None:

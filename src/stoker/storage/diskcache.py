@@ -462,13 +462,33 @@ class DiskCache:
                 self._pending[ident] = data
             if seen is not None:  # has() finds it while queued, before the writer made it
                 remember(self._seen, ident, seen, SEEN_IDENTS)
-            if self._thread is None:
-                # a bug escaping its loop turns the cache off, rather than leave the queue for ever (see
-                # _writer_failed)
-                self._thread = threading.Thread(target=serve, args=(self._drain, self._writer_failed, _WRITER_STOPS),
-                                                name="stoker-diskcache", daemon=True)
-                self._thread.start()
+            if self._thread is None and not self._start_writer(ident, n, how):
+                return
             self._cond.notify_all()  # the writer, which may wait beside puts waiting for room
+
+    def _start_writer(self, ident: str, n: int, how: int) -> bool:
+        """Start the writer thread for the entry just queued (under the lock); where the system gives none (no
+        thread left, the interpreter shutting down) the entry is taken back, settled as a loss, with one
+        warning: its read is served uncached, never failed, and the next put tries again (``_thread`` None)."""
+        # a bug escaping its loop turns the cache off, rather than leave the queue for ever (see _writer_failed)
+        thread = threading.Thread(target=serve, args=(self._drain, self._writer_failed, _WRITER_STOPS),
+                                  name="stoker-diskcache", daemon=True)
+        try:
+            thread.start()  # (not runtime.workers.start_thread: its error names a Config knob; none sets this one)
+        except Exception as exc:  # noqa: BLE001 - RuntimeError "can't start new thread", or at shutdown
+            self._queue.pop()  # the entry just appended: no writer was running, so nothing took it
+            self._queued -= n
+            if how == _TOUCH:
+                self._touching.discard(ident)
+            else:
+                self._pending.pop(ident, None)
+            self.settled += 1
+            self.lost()  # a marker queued as seen is looked for on disk again
+            self._warn("thread", f"stoker's disk cache {self.folder}: no writer thread could be started "
+                                 f"({type(exc).__name__}: {exc}); values are read uncached until one can be")
+            return False
+        self._thread = thread
+        return True
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until every queued entry is written (or dropped); False if that took longer than ``timeout_s``."""
@@ -726,7 +746,8 @@ class DiskCache:
 
     def _warn(self, kind: str, message: str) -> None:
         """Warn once a process per ``kind``: "big" (``cache_bytes`` too small for an entry, or for any beside the
-        folder's own blocks), "off" (writes stopped: a failure), "fault" (the writer's loop died on a bug)."""
+        folder's own blocks), "off" (writes stopped: a failure), "fault" (the writer's loop died on a bug), "thread"
+        (no writer thread could be started)."""
         if kind not in self._warned:
             self._warned.add(kind)
             warnings.warn(message, RuntimeWarning, stacklevel=2)
