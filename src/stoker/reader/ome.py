@@ -207,7 +207,8 @@ def _label_over_image(parent: _Parent, label: "Transform", uri: str, name: str, 
     """How many of the image's level-0 voxels one voxel of the label image's level 0 spans, per axis; the
     shapes of the two level-0 arrays are the arbiter (one metadata read each). The same shape: 1 on every axis,
     whatever the physical scales say (ome-zarr-py writes a label image's level 0 at scale 1 when given no
-    transforms, over an image of micrometre scales: it is the image's voxel grid all the same). Another shape:
+    transforms, over an image of micrometre scales: it is the image's voxel grid all the same), unless the
+    label gives a translation of its own other than the image's (a MetadataError). Another shape:
     the physical ratio, which must be whole and give the label's shape from the image's (divided by it,
     rounded down or up, as block-downsampling writers do), and the translations must agree; else a
     MetadataError naming both, that says to give the scale."""
@@ -216,6 +217,7 @@ def _label_over_image(parent: _Parent, label: "Transform", uri: str, name: str, 
     if parent.pick is not None and all(i < len(image_shape) for i in parent.pick):  # the label's axes of it
         image_shape = tuple(image_shape[i] for i in parent.pick)
     if label_shape == image_shape:
+        _check_same_place(parent, label, uri, level0, label_shape)
         return None
     scales = f"the physical scales {label[0]} and {parent.transform[0]}"
 
@@ -237,6 +239,27 @@ def _label_over_image(parent: _Parent, label: "Transform", uri: str, name: str, 
     _check_shift(parent.transform, label, parent.transform[0], ratios, uri, level0,
                  against="the level 0 of the image whose labels/ holds it")
     return None if all(r == 1 for r in ratios) else ratios
+
+
+def _check_same_place(parent: _Parent, label: "Transform", uri: str, level0: str, shape: tuple[int, ...]) -> None:
+    """MetadataError where a label image's level 0 of its image's shape gives a physical translation of its own
+    that is not the image level 0's: it lies elsewhere than voxel for voxel, and stoker would read it there
+    (silently off). No translation (ome-zarr-py's ``write_labels`` default) or the same one: voxel for voxel."""
+    mine, theirs = label[1], parent.transform[1]
+    if mine is None:
+        return
+    first = theirs if theirs is not None else [0.0] * len(mine)
+    scale = parent.transform[0] if parent.transform[0] is not None and len(parent.transform[0]) == len(mine) \
+        else [1.0] * len(mine)
+    if len(first) == len(mine) and all(abs(a - b) <= _TOLERANCE * max(abs(a), abs(b), abs(s), 1e-300)
+                                       for a, b, s in zip(mine, first, scale)):
+        return
+    raise MetadataError(
+        f"{uri}: the OME-Zarr label image's level 0 {level0!r} has its image's level-0 shape {shape} but the "
+        f"physical translation {mine}, its image's level 0 {parent.path!r} {theirs if theirs is not None else 'none'} "
+        "(the physical scales "
+        f"{label[0]} and {parent.transform[0]}); stoker cannot tell where the label lies over the image: pass "
+        "its placement explicitly (Field(..., scale=..., offset=...))", uri=uri)
 
 
 def _shape_beside(uri: str, name: str, below: str, path: str, storage_options: dict | None,
