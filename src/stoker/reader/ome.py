@@ -71,6 +71,12 @@ def level_scale(uri: str | os.PathLike, storage_options: dict | None = None,
             if name not in paths:
                 continue
             level = paths.index(name)
+            for i in {0, level}:
+                if not isinstance(datasets[i], dict):
+                    raise MetadataError(
+                        f"{uri}: dataset {i} of the OME-Zarr multiscales above it is {datasets[i]!r}, not an object "
+                        "with a path and coordinateTransformations; fix the image's multiscales metadata, or pass "
+                        "the scale explicitly (Field(..., scale=...), Mask(..., scale=...))", uri=uri)
             own = None
             if level > 0:  # the multiscale's own transforms apply to both levels alike: left out, they cancel
                 base = (_scale(datasets[0], uri, paths[0]), _transform(datasets[0], "translation", uri, paths[0]))
@@ -115,8 +121,8 @@ def is_label_level(uri: str | os.PathLike, storage_options: dict | None = None,
         multiscales = _multiscales(attrs)
         if multiscales is None:
             continue
-        listed = any(name in [_dataset_path(d) for d in m.get("datasets") or []] for m in multiscales
-                     if isinstance(m, dict))
+        listed = any(name in [_dataset_path(d) for d in m["datasets"]] for m in multiscales
+                     if isinstance(m, dict) and isinstance(m.get("datasets"), list))
         return listed and _is_label_image(attrs)
     return False
 
@@ -316,8 +322,9 @@ def _dataset_path(dataset: Any) -> Any:
 
 
 def _transform(dataset: dict, kind: str, uri: str, name: Any) -> list[float] | None:
-    """The ``kind`` ("scale" or "translation") transform of ``dataset`` as floats; None when it has none."""
-    transforms = dataset.get("coordinateTransformations")
+    """The ``kind`` ("scale" or "translation") transform of ``dataset`` as floats; None when it has none (or is
+    no object: a malformed entry, which names no level)."""
+    transforms = dataset.get("coordinateTransformations") if isinstance(dataset, dict) else None
     for t in transforms if isinstance(transforms, list) else []:
         if isinstance(t, dict) and t.get("type") == kind and isinstance(t.get(kind), list):
             try:
