@@ -581,3 +581,6 @@ def test_map_batch_moves_the_tensors_beside_other_objects_in_a_dataclass_attribu
     assert isinstance(out.pair[0], torch.Tensor) and out.pair[0].tolist() == [2.0, 2.0] and out.pair[1] is _Kind
     assert sorted(seen) == ["batch.extra[0]", "batch.pair[0]", "batch.tagged['m']", "batch.x"]
     assert batch.extra[0].tolist() == [0.0, 0.0]  # the input untouched
+    batch.again = batch.extra  # one list in two attributes: one copy, as in the input
+    out = pin.map_batch(batch, leaf)
+    assert out.again is out.extra and out.extra is not batch.extra

@@ -247,6 +247,13 @@ class _Mapper:
             return held[1]
         if dataclasses.is_dataclass(value):
             return self.map(value, path)
+        out = self._lenient_container(value, path, depth)
+        if out is not value:  # met again (in another attribute): the one copy, as map_batch maps objects
+            self.done[id(value)] = (value, out)
+        return out
+
+    def _lenient_container(self, value: Any, path: str, depth: int) -> Any:
+        """:meth:`lenient`'s containers: rebuilt where they hold a tensor, else as they are."""
         walk = self.lenient
         if isinstance(value, Mapping):
             items = {k: walk(v, f"{path}[{k!r}]", depth + 1) for k, v in value.items()}
