@@ -255,3 +255,30 @@ def test_inspect_shows_an_ome_levels_scale_over_level_0(tmp_path, capsys, fmt):
         assert ("ome level" in text) == (expected is not None)
         if expected is not None:
             assert f"ome level    scale {tuple(expected[0])} over {expected[1]}" in text
+
+
+def test_inspect_of_a_level_under_malformed_multiscales_says_so(tmp_path, capsys, monkeypatch):
+    """Regression: a multiscales ``datasets`` entry that is no object (``["0", {"path": "1"}]``) was a raw
+    AttributeError from the OME reader, which inspect let through (a traceback). level_scale says it with a
+    MetadataError; inspect shows it as the level's error, and shows any other failure of it the same way."""
+    import json
+
+    from stoker.cli import inspect as cli_inspect
+    from stoker.errors import MetadataError
+    from stoker.reader.ome import level_scale
+
+    root = str(tmp_path / "img.zarr")
+    g = zarr.open_group(root, mode="w", zarr_format=2)
+    g.attrs["multiscales"] = [{"version": "0.4", "datasets": ["0", {"path": "1"}]}]
+    g.create_array("1", shape=(16, 16), chunks=(16, 16), dtype="uint8")
+    with pytest.raises(MetadataError, match="dataset 0 .* is '0', not an object"):
+        level_scale(f"{root}/1")
+    assert main(["inspect", "--json", f"{root}/1"]) == 0
+    got = json.loads(capsys.readouterr().out)["ome_level"]
+    assert got["scale"] is None and "dataset 0" in got["error"]
+
+    def broken(*_args, **_kwargs):
+        raise KeyError("scale")
+
+    monkeypatch.setattr(cli_inspect, "level_scale", broken)
+    assert cli_inspect.facts(f"{root}/1")["ome_level"]["error"].startswith("KeyError")

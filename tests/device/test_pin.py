@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import time
 import warnings
 from collections import OrderedDict, namedtuple
@@ -552,3 +553,34 @@ class _FrozenSlots:
 def test_map_batch_copies_frozen_and_slotted_dataclasses():
     out = pin.map_batch(_FrozenSlots(torch.zeros(2), 5), lambda t, p: t + 1)
     assert type(out) is _FrozenSlots and out.x.tolist() == [1.0, 1.0] and out.n == 5
+
+
+class _Kind(enum.Enum):
+    A = 1
+
+
+@dataclasses.dataclass
+class _Tagged:
+    x: torch.Tensor
+
+    def __post_init__(self):
+        self.extra = [self.x * 2, _Helper()]  # a tensor beside a helper object
+        self.tagged = {"m": self.x > 0, "kind": _Kind.A}  # a tensor beside an enum
+        self.pair = (np.ones(2, np.float32), _Kind)  # an array beside a class
+
+
+def test_map_batch_moves_the_tensors_beside_other_objects_in_a_dataclass_attribute():
+    """Regression: an attribute that is no field, holding a container with a tensor beside an enum or a helper
+    object, was passed whole, its tensor not moved (not pinned, left on the CPU), silently. Its tensors and arrays
+    are mapped; its other leaves pass as they are (no TypeError)."""
+    batch = _Tagged(torch.zeros(2))
+    seen, leaf = _recording()
+    out = pin.map_batch(batch, leaf)
+    assert out.extra[0].tolist() == [1.0, 1.0] and out.extra[1] is batch.extra[1]
+    assert out.tagged["m"].tolist() == [1, 1] and out.tagged["kind"] is _Kind.A
+    assert isinstance(out.pair[0], torch.Tensor) and out.pair[0].tolist() == [2.0, 2.0] and out.pair[1] is _Kind
+    assert sorted(seen) == ["batch.extra[0]", "batch.pair[0]", "batch.tagged['m']", "batch.x"]
+    assert batch.extra[0].tolist() == [0.0, 0.0]  # the input untouched
+    batch.again = batch.extra  # one list in two attributes: one copy, as in the input
+    out = pin.map_batch(batch, leaf)
+    assert out.again is out.extra and out.extra is not batch.extra

@@ -63,3 +63,43 @@ def test_a_push_after_a_rewrite_with_batches_of_the_old_layout_in_flight_is_refu
         p.push(samples)  # nothing in flight now: the array is opened anew
         got = np.concatenate([_pop(p) for _ in range(2)])
         assert np.array_equal(got, _want(new, samples))
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+@pytest.mark.parametrize("how", ["attrs", "touch"])
+def test_a_push_after_an_attribute_update_or_a_touch_goes_on_with_batches_in_flight(tmp_path, zarr_format, how):
+    """Regression: any change of a metadata file's identity (an attribute written, ``attrs["epoch"] = 1``, or
+    a file touched) made the next push an InvalidArgument while batches were in flight. The layout and the
+    decoding attributes unchanged, the push goes on, the array read on as it was."""
+    import os
+
+    uri = str(tmp_path / "a.zarr")
+    data = _write(uri, 0, (8, 8), zarr_format)
+    samples = _samples(uri)
+    with stoker.Pipeline(_cfg()) as p:
+        p.push(samples)
+        assert np.array_equal(_pop(p), _want(data, samples[:4]))
+        if how == "attrs":
+            zarr.open_array(uri, mode="r+").attrs["epoch"] = 1
+        else:
+            os.utime(os.path.join(uri, "zarr.json" if zarr_format == 3 else ".zarray"), (1, 1))
+        p.push(samples)  # the earlier push's last batch still in flight
+        got = np.concatenate([_pop(p) for _ in range(3)])
+        assert np.array_equal(got, _want(data, samples[4:] + samples))
+        zarr.open_array(uri, mode="r+").attrs["epoch"] = 2  # the new identities were recorded: again alike
+        p.push(samples)
+        assert np.array_equal(np.concatenate([_pop(p) for _ in range(2)]), _want(data, samples))
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_a_decoding_attribute_changed_with_batches_in_flight_is_still_refused(tmp_path, zarr_format):
+    """A CF attribute stoker decodes by (``scale_factor``) written while batches are in flight: a rewrite."""
+    uri = str(tmp_path / "a.zarr")
+    data = _write(uri, 0, (8, 8), zarr_format)
+    samples = _samples(uri)
+    with stoker.Pipeline(_cfg()) as p:
+        p.push(samples)
+        assert np.array_equal(_pop(p), _want(data, samples[:4]))
+        zarr.open_array(uri, mode="r+").attrs["scale_factor"] = 2.0
+        with pytest.raises(stoker.errors.InvalidArgument, match="rewritten.*Pop every batch"):
+            p.push(samples)

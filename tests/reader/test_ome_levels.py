@@ -403,7 +403,7 @@ def _label_pair(path: str, fmt: int, label_shape: tuple, label_scale: list, labe
 
 @pytest.mark.parametrize("fmt", [2, 3])
 def test_a_label_image_of_another_shape_is_placed_by_physical_scale_the_shapes_check(tmp_path, fmt):
-    """The same shape: scale 1, the translations not compared (the label's has none). Another shape: the
+    """The same shape: scale 1 (the label has no translation). Another shape: the
     physical ratio, which must make the label's shape from the image's (rounded down or up), with translations
     that agree; else a MetadataError naming both shapes and scales and ``scale=``."""
     from stoker.errors import MetadataError
@@ -446,3 +446,20 @@ def test_a_remote_label_image_is_placed_by_the_shapes_too(tmp_path, fmt):
     finally:
         stores.close()
         server.shutdown()
+
+
+@pytest.mark.parametrize("fmt", [2, 3])
+def test_a_label_image_of_its_image_shape_translated_elsewhere_is_refused(tmp_path, fmt):
+    """A label image's level 0 of its image's shape, with a physical translation of its own that is not the
+    image's: it lies elsewhere (here 5 label voxels), so reading it voxel for voxel is silently off. It was taken
+    at scale 1 whatever its translation; now a MetadataError naming both translations and ``offset=``. No
+    translation (ome-zarr-py's default) or the image's own: voxel for voxel, as before."""
+    from stoker.errors import MetadataError
+
+    with pytest.raises(MetadataError) as moved:
+        level_scale(_label_pair(str(tmp_path / "moved"), fmt, (8, 16, 16), [1.0, 0.5, 0.5], [0.0, 12.5, 10.0]))
+    message = str(moved.value)
+    assert "[0.0, 12.5, 10.0]" in message and "[0.0, 10.0, 10.0]" in message
+    assert "Field(..., scale=..., offset=...)" in message
+    assert level_scale(_label_pair(str(tmp_path / "same"), fmt, (8, 16, 16), [1.0, 0.5, 0.5], [0.0, 10.0, 10.0])) is None
+    assert level_scale(_label_pair(str(tmp_path / "none"), fmt, (8, 16, 16), [1.0, 1.0, 1.0])) is None

@@ -161,11 +161,13 @@ def _ome_level(uri: str, options: dict[str, Any] | None) -> dict[str, Any] | Non
     reason the scale cannot be told; None for level 0 and for an array that is no OME-Zarr level."""
     try:
         scale = level_scale(uri, options)
+        if scale is None:
+            return None
+        over = "the parent image's level 0" if is_label_level(uri, options) else "level 0"
     except StokerError as exc:
         return {"scale": None, "over": None, "error": str(exc)}
-    if scale is None:
-        return None
-    over = "the parent image's level 0" if is_label_level(uri, options) else "level 0"
+    except Exception as exc:  # metadata malformed in a way not foreseen: said, never a crash of inspect
+        return {"scale": None, "over": None, "error": f"{type(exc).__name__}: {exc} (malformed OME-Zarr metadata?)"}
     return {"scale": list(scale), "over": over, "error": None}
 
 

@@ -21,7 +21,7 @@ import threading
 import warnings
 from collections import deque
 from collections.abc import Mapping
-from typing import Any, Callable, Iterable, Iterator, Protocol, TypeVar, cast, runtime_checkable
+from typing import Any, Callable, Iterator, Protocol, TypeVar, cast, runtime_checkable
 
 import numpy as np
 import torch
@@ -100,42 +100,6 @@ def _shallow_copy(obj: Any, path: str) -> Any:
     return new
 
 
-def _holds_tensors(value: Any) -> bool:
-    """Whether ``value`` is a tensor or a numeric numpy array, or dicts, lists, tuples, sets, deques and
-    dataclass instances (their fields) of those and scalars holding one, at most 6 deep: what :func:`map_batch`
-    moves in a dataclass's attribute that is no field. Anything else in it (an object of its own, a class) and
-    it is passed on as it is."""
-    return _plain_data(value, 0) is True
-
-
-def _plain_data(value: Any, depth: int) -> bool | None:
-    """True: plain data holding a tensor or array; None: plain data holding none (scalars, empty containers);
-    False: something else (see :func:`_holds_tensors`)."""
-    if isinstance(value, torch.Tensor):
-        return True
-    if isinstance(value, np.ndarray):
-        return not (value.dtype.hasobject or value.dtype.kind in "USV")
-    if isinstance(value, _SCALARS):
-        return None
-    if depth >= _MAX_OBJECT_DEPTH or isinstance(value, type):
-        return False
-    if isinstance(value, Mapping):
-        values: Iterable[Any] = value.values()
-    elif isinstance(value, (list, tuple, deque, set, frozenset)):
-        values = value
-    elif dataclasses.is_dataclass(value):
-        values = [getattr(value, f.name) for f in dataclasses.fields(value) if hasattr(value, f.name)]
-    else:
-        return False
-    found = None
-    for v in values:
-        held = _plain_data(v, depth + 1)
-        if held is False:
-            return False
-        found = found or held
-    return found
-
-
 def _find_array_leaf(obj: Any, path: str, depth: int = 0) -> str | None:
     """Path of the first attribute holding array data inside an unknown object, if any."""
     if isinstance(obj, (torch.Tensor, np.ndarray)) or _holds_array_data(obj):
@@ -161,8 +125,8 @@ def map_batch(obj: Any, leaf: Callable[[torch.Tensor, str], torch.Tensor], path:
 
     Containers keep their types: dicts (a subclass its attributes, a defaultdict its default_factory), lists,
     tuples, namedtuples, deques (their maxlen), sets, frozensets, dataclasses (a copy, its fields mapped and its
-    other attributes where they hold tensors in plain containers, the rest kept: ``__init__`` and
-    ``__post_init__`` are not run again). ``hook(obj)`` lets an object handle itself (e.g.
+    other attributes' tensors in containers too, their other leaves and dunder attributes kept as they are:
+    ``__init__`` and ``__post_init__`` are not run again). ``hook(obj)`` lets an object handle itself (e.g.
     call its own ``pin_memory()``, the :class:`Pinnable` protocol); it returns
     ``NotImplemented`` for objects it does not apply to. Scalars and strings pass
     through; any other object that holds array data raises ``TypeError`` naming the
@@ -244,11 +208,13 @@ class _Mapper:
             new = _shallow_copy(obj, path)
             fields = {f.name for f in dataclasses.fields(obj)}
             for name, value in _attributes(obj):
-                # a field is mapped; another attribute only where it holds tensors or arrays in what map_batch
-                # rebuilds (a mask made by __post_init__): a helper object, a model or typing's __orig_class__
-                # (a Generic's, a class) passes as it is, as it did before attributes were mapped
-                if name in fields or (not (name.startswith("__") and name.endswith("__")) and _holds_tensors(value)):
+                # a field is mapped; another attribute leniently (a mask made by __post_init__, a list of a
+                # tensor and a helper: its tensors moved), its other leaves (a helper object, an enum, a model)
+                # as they are; a dunder one (typing's __orig_class__, a Generic's: a class) is never walked
+                if name in fields:
                     object.__setattr__(new, name, walk(value, f"{path}.{name}"))  # (a frozen one's too)
+                elif not (name.startswith("__") and name.endswith("__")):
+                    object.__setattr__(new, name, self.lenient(value, f"{path}.{name}"))
             return new
         found = _find_array_leaf(obj, path)
         if found is not None:
@@ -263,6 +229,50 @@ class _Mapper:
             raise TypeError(f"cannot move {found} ({name} at {path} holds array data stoker does not know how to "
                             f"reach): {fix}") from refused
         return obj
+
+
+    def lenient(self, value: Any, path: str, depth: int = 0) -> Any:
+        """A dataclass's attribute that is no field, mapped leniently: its tensors and numeric arrays, in dicts,
+        lists, tuples, sets, deques (at most 6 deep) and dataclasses, are mapped (a tensor beside an enum or a
+        helper object too, not left behind); any other leaf (an object of the user's own, an enum, a class)
+        passes as it is, never a TypeError. A container holding no tensor is the input itself."""
+        if isinstance(value, torch.Tensor):
+            return self.map(value, path)
+        if isinstance(value, np.ndarray):
+            return value if value.dtype.hasobject or value.dtype.kind in "USV" else self.map(value, path)
+        if isinstance(value, (_SCALARS, type)) or depth >= _MAX_OBJECT_DEPTH or id(value) in self.open:
+            return value  # (a reference back to a container being rebuilt: as it is, no cycle error)
+        held = self.done.get(id(value))
+        if held is not None:
+            return held[1]
+        if dataclasses.is_dataclass(value):
+            return self.map(value, path)
+        out = self._lenient_container(value, path, depth)
+        if out is not value:  # met again (in another attribute): the one copy, as map_batch maps objects
+            self.done[id(value)] = (value, out)
+        return out
+
+    def _lenient_container(self, value: Any, path: str, depth: int) -> Any:
+        """:meth:`lenient`'s containers: rebuilt where they hold a tensor, else as they are."""
+        walk = self.lenient
+        if isinstance(value, Mapping):
+            items = {k: walk(v, f"{path}[{k!r}]", depth + 1) for k, v in value.items()}
+            if all(items[k] is v for k, v in value.items()):
+                return value
+            if type(value) is dict:
+                return items
+            return _rebuilt_mapping(value, items, lambda name, v: walk(v, f"{path}.{name}", depth + 1))
+        if isinstance(value, (list, tuple, deque, set, frozenset)):
+            names = value._fields if isinstance(value, tuple) and hasattr(value, "_fields") else None
+            mapped = [walk(v, f"{path}.{names[i]}" if names else f"{path}[{i}]", depth + 1) for i, v in enumerate(value)]
+            if all(m is v for m, v in zip(mapped, value)):
+                return value
+            if names is not None:
+                return type(value)(*mapped)
+            if isinstance(value, deque):
+                return type(value)(mapped, value.maxlen)
+            return type(value)(mapped)
+        return value
 
 
 class _Declined:

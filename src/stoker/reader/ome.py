@@ -71,6 +71,12 @@ def level_scale(uri: str | os.PathLike, storage_options: dict | None = None,
             if name not in paths:
                 continue
             level = paths.index(name)
+            for i in {0, level}:
+                if not isinstance(datasets[i], dict):
+                    raise MetadataError(
+                        f"{uri}: dataset {i} of the OME-Zarr multiscales above it is {datasets[i]!r}, not an object "
+                        "with a path and coordinateTransformations; fix the image's multiscales metadata, or pass "
+                        "the scale explicitly (Field(..., scale=...), Mask(..., scale=...))", uri=uri)
             own = None
             if level > 0:  # the multiscale's own transforms apply to both levels alike: left out, they cancel
                 base = (_scale(datasets[0], uri, paths[0]), _transform(datasets[0], "translation", uri, paths[0]))
@@ -115,8 +121,8 @@ def is_label_level(uri: str | os.PathLike, storage_options: dict | None = None,
         multiscales = _multiscales(attrs)
         if multiscales is None:
             continue
-        listed = any(name in [_dataset_path(d) for d in m.get("datasets") or []] for m in multiscales
-                     if isinstance(m, dict))
+        listed = any(name in [_dataset_path(d) for d in m["datasets"]] for m in multiscales
+                     if isinstance(m, dict) and isinstance(m.get("datasets"), list))
         return listed and _is_label_image(attrs)
     return False
 
@@ -207,7 +213,8 @@ def _label_over_image(parent: _Parent, label: "Transform", uri: str, name: str, 
     """How many of the image's level-0 voxels one voxel of the label image's level 0 spans, per axis; the
     shapes of the two level-0 arrays are the arbiter (one metadata read each). The same shape: 1 on every axis,
     whatever the physical scales say (ome-zarr-py writes a label image's level 0 at scale 1 when given no
-    transforms, over an image of micrometre scales: it is the image's voxel grid all the same). Another shape:
+    transforms, over an image of micrometre scales: it is the image's voxel grid all the same), unless the
+    label gives a translation of its own other than the image's (a MetadataError). Another shape:
     the physical ratio, which must be whole and give the label's shape from the image's (divided by it,
     rounded down or up, as block-downsampling writers do), and the translations must agree; else a
     MetadataError naming both, that says to give the scale."""
@@ -216,6 +223,7 @@ def _label_over_image(parent: _Parent, label: "Transform", uri: str, name: str, 
     if parent.pick is not None and all(i < len(image_shape) for i in parent.pick):  # the label's axes of it
         image_shape = tuple(image_shape[i] for i in parent.pick)
     if label_shape == image_shape:
+        _check_same_place(parent, label, uri, level0, label_shape)
         return None
     scales = f"the physical scales {label[0]} and {parent.transform[0]}"
 
@@ -237,6 +245,27 @@ def _label_over_image(parent: _Parent, label: "Transform", uri: str, name: str, 
     _check_shift(parent.transform, label, parent.transform[0], ratios, uri, level0,
                  against="the level 0 of the image whose labels/ holds it")
     return None if all(r == 1 for r in ratios) else ratios
+
+
+def _check_same_place(parent: _Parent, label: "Transform", uri: str, level0: str, shape: tuple[int, ...]) -> None:
+    """MetadataError where a label image's level 0 of its image's shape gives a physical translation of its own
+    that is not the image level 0's: it lies elsewhere than voxel for voxel, and stoker would read it there
+    (silently off). No translation (ome-zarr-py's ``write_labels`` default) or the same one: voxel for voxel."""
+    mine, theirs = label[1], parent.transform[1]
+    if mine is None:
+        return
+    first = theirs if theirs is not None else [0.0] * len(mine)
+    scale = parent.transform[0] if parent.transform[0] is not None and len(parent.transform[0]) == len(mine) \
+        else [1.0] * len(mine)
+    if len(first) == len(mine) and all(abs(a - b) <= _TOLERANCE * max(abs(a), abs(b), abs(s), 1e-300)
+                                       for a, b, s in zip(mine, first, scale)):
+        return
+    raise MetadataError(
+        f"{uri}: the OME-Zarr label image's level 0 {level0!r} has its image's level-0 shape {shape} but the "
+        f"physical translation {mine}, its image's level 0 {parent.path!r} {theirs if theirs is not None else 'none'} "
+        "(the physical scales "
+        f"{label[0]} and {parent.transform[0]}); stoker cannot tell where the label lies over the image: pass "
+        "its placement explicitly (Field(..., scale=..., offset=...))", uri=uri)
 
 
 def _shape_beside(uri: str, name: str, below: str, path: str, storage_options: dict | None,
@@ -293,8 +322,9 @@ def _dataset_path(dataset: Any) -> Any:
 
 
 def _transform(dataset: dict, kind: str, uri: str, name: Any) -> list[float] | None:
-    """The ``kind`` ("scale" or "translation") transform of ``dataset`` as floats; None when it has none."""
-    transforms = dataset.get("coordinateTransformations")
+    """The ``kind`` ("scale" or "translation") transform of ``dataset`` as floats; None when it has none (or is
+    no object: a malformed entry, which names no level)."""
+    transforms = dataset.get("coordinateTransformations") if isinstance(dataset, dict) else None
     for t in transforms if isinstance(transforms, list) else []:
         if isinstance(t, dict) and t.get("type") == kind and isinstance(t.get(kind), list):
             try:

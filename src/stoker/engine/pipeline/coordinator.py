@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import itertools
+import json
 import os
 import threading
 import time
@@ -26,7 +27,8 @@ import torch
 
 from ...runtime import gil
 from ...runtime.workers import DaemonPool, start_thread, when_all_done
-from ...reader.array import DEFAULT_INDEX_CACHE_BYTES, ArrayReader, index_size, open_array, open_local
+from ...reader.array import (DEFAULT_INDEX_CACHE_BYTES, ArrayReader, index_size, open_array, open_local,
+                             read_metadata)
 from ...reader.coords import check_channel_dimensions, coding
 from ...reader.metacache import stat_document
 from ...reader.ome import is_label_level
@@ -429,7 +431,8 @@ class Coordinator:
                 except (OSError, ValueError):
                     st = None
                 if st is None or identity(st) != ident:
-                    changed.append(uri)
+                    if not _renewed_alike(uri, reader, self.store):
+                        changed.append(uri)
                     break
         return changed
 
@@ -783,6 +786,51 @@ def metadata_stats(uri: str) -> tuple[str, tuple] | None:
     # array new to the pipeline, under the GIL: a batch of many small arrays makes several)
     folder = loc.path if loc.path.endswith(os.sep) else loc.path + os.sep
     return loc.path, tuple(stat_document(folder + name) for name in _METADATA_FILES)
+
+
+#: The attributes that decide how an array's values are decoded (stoker.zarr.cf's coding_of, CF times and time
+#: spans) or its axes named (v2's dimension names): one changed is a rewrite, any other attribute is not.
+_DECODING_ATTRIBUTES = ("scale_factor", "add_offset", "_FillValue", "missing_value", "_Unsigned", "units",
+                        "calendar", "dtype", "_ARRAY_DIMENSIONS")
+
+
+def _renewed_alike(uri: str, reader: ArrayReader, store: LocalStore) -> bool:
+    """Whether the local array ``reader`` reads, its metadata files' identities changed since its open, still
+    has the layout and decoding it was opened with (an attribute written, ``attrs["epoch"] = 1``, or a file
+    touched): then its new identities are recorded and it is read on, neither reopened nor a rewrite. Its
+    metadata is parsed again and compared with the reader's (shape, chunks, shards, dtype, codecs, fill value,
+    order, separator, dimension names), and the attributes CF decoding uses (:data:`_DECODING_ATTRIBUTES`)
+    with those the reader read, where it read them (not yet: its later read reads these)."""
+    local = metadata_stats(uri)  # first: a change after these stats is told at the next look
+    if local is None:
+        return False
+    folder = local[0] if local[0].endswith(os.sep) else local[0] + os.sep
+    metas = _identities(local[1])
+    found = tuple((folder + name, ident) for name, ident in zip(_METADATA_FILES, metas) if ident is not None)
+    if [p for p, _ in found] != [p for p, _ in reader.derived.get("metadata_found", ())]:
+        return False  # a metadata file appeared or went: a rewrite
+    held = reader.derived.get("documents")
+    old_attrs = held[0] if isinstance(held, tuple) else None
+    try:
+        if read_metadata(local[0], store, uri=uri, stats=local[1][:2]) != reader.metadata:
+            return False
+        if old_attrs is not None:
+            if reader.zarr_format == 3:
+                attrs = _json_file(folder + "zarr.json").get("attributes") or {}
+            else:
+                attrs = _json_file(folder + ".zattrs") if metas[2] is not None else {}
+            if not isinstance(attrs, dict) or any(attrs.get(k) != old_attrs.get(k) for k in _DECODING_ATTRIBUTES):
+                return False
+    except (OSError, ValueError, AttributeError, StokerError):
+        return False
+    reader.derived["metadata_files"] = metas
+    reader.derived["metadata_found"] = found
+    return True
+
+
+def _json_file(path: str) -> Any:
+    with open(path, "rb") as f:
+        return json.loads(f.read())
 
 
 def _identities(stats: tuple) -> tuple:

@@ -162,7 +162,16 @@ class Pipeline:
 
     def push(self, samples: Sample | Iterable[Sample]) -> None:
         """Queue samples: one Sample, a sequence (checked now), a sharded source (pulled lazily, its
-        position tracked for :meth:`state_dict`) or any iterable (pulled lazily, checked then)."""
+        position tracked for :meth:`state_dict`) or any iterable (pulled lazily, checked then).
+
+        A local array opened by an earlier push and rewritten since (its layout or its decoding changed: shape,
+        chunks, dtype, codecs, fill value, a CF attribute such as ``scale_factor``) is opened anew where no batch
+        is in flight and the earlier pushes are used up; otherwise the push is an ``InvalidArgument`` (pop every
+        batch of the earlier pushes first, or make a new Pipeline). Another attribute written, or a metadata
+        file merely touched, is no rewrite: the push goes on.
+
+        >>> p.push([stoker.Sample("a.zarr", ((0, 8), (0, 8)))])
+        """
         self._check_process()
         with self._cond:
             self._raise_if_unusable()
@@ -457,9 +466,9 @@ class Pipeline:
         open the next push's first batch, and their positions: ``state_dict()["sources"]`` then lists only
         pushes made after this call. Local arrays rewritten before the next push (their metadata files changed
         since they were opened) are opened anew by its batches, and shards found not stored are looked for
-        again, as a new pipeline would (a pipeline pushed again without this call keeps the shards it found missing;
-an array rewritten meanwhile is opened anew by any push made with no batch in flight, and refused by one made
-with batches in flight). For a
+        again, as a new pipeline would (a pipeline pushed again without this call keeps the shards it found
+        missing; an array rewritten meanwhile is opened anew by any push made with no batch in flight, and
+        refused by one made with batches in flight). For a
         loop that keeps one pipeline across epochs and wants each epoch's batches to be its own, as
         :class:`~stoker.CropDataset` with ``persistent=True`` does. Returns the samples dropped;
         ``InvalidArgument`` while a push still has samples to give or a batch is in flight.
