@@ -6,6 +6,17 @@ import numpy as np
 import zarr
 
 
+def write_multiscales(image_group, image: dict, label_group, label: dict, fmt: int) -> None:
+    """The ``multiscales`` of an image group and of its label image's group (marked ``image-label``), as
+    OME-Zarr 0.4 (v2: at the top of the attributes) or 0.5 (v3: under ``ome``) has them."""
+    if fmt == 2:
+        image_group.attrs["multiscales"] = [{**image, "version": "0.4"}]
+        label_group.attrs.update({"multiscales": [{**label, "version": "0.4"}], "image-label": {"version": "0.4"}})
+    else:
+        image_group.attrs["ome"] = {"version": "0.5", "multiscales": [image]}
+        label_group.attrs["ome"] = {"version": "0.5", "multiscales": [label], "image-label": {"version": "0.5"}}
+
+
 def labelled_image(path: str, fmt: int) -> tuple[np.ndarray, np.ndarray]:
     """An image (``s0`` full resolution, ``s1`` 2x coarser) with a label image ``labels/cells`` written at half
     its resolution (the label's ``s0`` of physical scale 2, ``s1`` 4x the image's, shifted half a voxel of its
@@ -32,12 +43,7 @@ def labelled_image(path: str, fmt: int) -> tuple[np.ndarray, np.ndarray]:
              "coordinateTransformations": [{"type": "scale", "scale": [0.5] * 3}]}
     label = {"axes": axes, "name": "cells", "datasets": [{"path": "s0", **level(1.0, 0.0)}, {"path": "s1", **level(2.0, 0.5)}],
              "coordinateTransformations": [{"type": "scale", "scale": [1.0] * 3}]}  # its level 0: 1 um, the image's 0.5
-    if fmt == 2:
-        g.attrs["multiscales"] = [{**image, "version": "0.4"}]
-        cells.attrs.update({"multiscales": [{**label, "version": "0.4"}], "image-label": {"version": "0.4"}})
-    else:
-        g.attrs["ome"] = {"version": "0.5", "multiscales": [image]}
-        cells.attrs["ome"] = {"version": "0.5", "multiscales": [label], "image-label": {"version": "0.5"}}
+    write_multiscales(g, image, cells, label, fmt)
     zarr.open_group(f"{path}/labels", mode="a", zarr_format=fmt).attrs.update(
         {"labels": ["cells"]} if fmt == 2 else {"ome": {"version": "0.5", "labels": ["cells"]}})
     return raw, labels

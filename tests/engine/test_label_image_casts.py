@@ -12,6 +12,7 @@ import torch
 import zarr
 
 import stoker
+from ome_images import write_multiscales
 from stoker.reader.ome import is_label_level
 
 pytestmark = pytest.mark.timeout(60)
@@ -30,12 +31,7 @@ def _image_with_labels(path: str, fmt: int) -> tuple[np.ndarray, np.ndarray]:
     axes = [{"name": a, "type": "space"} for a in "zyx"]
     level = [{"path": "0", "coordinateTransformations": [{"type": "scale", "scale": [1.0] * 3}]}]
     image, label = {"axes": axes, "datasets": level, "name": "img"}, {"axes": axes, "datasets": level, "name": "cells"}
-    if fmt == 2:
-        g.attrs["multiscales"] = [{**image, "version": "0.4"}]
-        cells.attrs.update({"multiscales": [{**label, "version": "0.4"}], "image-label": {"version": "0.4"}})
-    else:
-        g.attrs["ome"] = {"version": "0.5", "multiscales": [image]}
-        cells.attrs["ome"] = {"version": "0.5", "multiscales": [label], "image-label": {"version": "0.5"}}
+    write_multiscales(g, image, cells, label, fmt)
     return raw, labels
 
 

@@ -15,7 +15,7 @@ from stoker.reader.array import open_array
 from stoker.reader.ome import level_scale
 from stoker.storage.locate import Stores
 
-from ome_images import labelled_image as _labelled_image
+from ome_images import labelled_image as _labelled_image, write_multiscales
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -392,12 +392,7 @@ def _label_pair(path: str, fmt: int, label_shape: tuple, label_scale: list, labe
     if label_shift is not None:
         transforms.append({"type": "translation", "translation": label_shift})
     label = {"axes": axes, "datasets": [{"path": "0", "coordinateTransformations": transforms}]}
-    if fmt == 2:
-        g.attrs["multiscales"] = [{**image, "version": "0.4"}]
-        cells.attrs.update({"multiscales": [{**label, "version": "0.4"}], "image-label": {"version": "0.4"}})
-    else:
-        g.attrs["ome"] = {"version": "0.5", "multiscales": [image]}
-        cells.attrs["ome"] = {"version": "0.5", "multiscales": [label], "image-label": {"version": "0.5"}}
+    write_multiscales(g, image, cells, label, fmt)
     return f"{path}/labels/cells/0"
 
 
