@@ -140,10 +140,11 @@ def test_object_store_arguments_are_checked(tmp_path, s3):
         stoker.TileWriter(f"{s3.endpoint}/{BUCKET}/x.zarr", SHAPE, (4, 8, 8), "f4")
 
 
-def test_a_failed_write_is_a_storage_error_naming_the_array(s3):
-    # the first request: listing a record left beside the array (forgotten before the array is made)
-    with pytest.raises(stoker.StorageError, match=r"s3://no-such-bucket/out.zarr(\.tiles-done: listing|: writing "
-                                                  r"the array's metadata)"):
+def test_a_write_into_a_missing_bucket_is_not_found_naming_the_array_and_bucket(s3):
+    # the first request: listing a record left beside the array (forgotten before the array is made); the
+    # server's NoSuchBucket, to a listing as to a write, is the NotFound that names the bucket
+    with pytest.raises(stoker.NotFound, match=r"s3://no-such-bucket/out.zarr(\.tiles-done)?: bucket "
+                                              r"'no-such-bucket' does not exist"):
         stoker.TileWriter("s3://no-such-bucket/out.zarr", SHAPE, (4, 8, 8), "f4",
                           storage_options={**s3.options, "retries": 0})
 
