@@ -240,3 +240,20 @@ def test_checks_cost_nothing_per_sample_of_a_field_source(vol, monkeypatch):
         p.push(_plain(vol, 4) * 8)
         p.pop()
     assert len(looked) == 32 and sorted(reads) == sorted([vol["raw"], vol["labels"]])
+
+
+def test_a_tile_grid_and_a_sample_list_are_checked_too(vol):
+    """A TileGrid of fields at push (its volumes); a SampleList's samples as pulled (the error at pop)."""
+    fields = {"raw": stoker.Field(vol["raw"], (16, 16, 16)), "labels": stoker.Field(vol["labels"], (8, 8, 8))}
+    with stoker.Pipeline(_cfg([RandomFlip()])) as p:
+        with pytest.raises(stoker.InvalidArgument, match="TileGrid volume 0: the fields' boxes have other centres"):
+            p.push(stoker.TileGrid(fields).for_rank(0, 1))
+    with stoker.Pipeline(_cfg([RandomFlip()], batch_size=2)) as p:
+        p.push(stoker.SampleList(_plain(vol, 0)).for_rank(0, 1))
+        with pytest.raises(stoker.InvalidArgument, match="other centres"):
+            p.pop()
+    with stoker.Pipeline(_cfg([RandomFlip(seed=3)], batch_size=2)) as p:
+        p.push(stoker.SampleList(_plain(vol, 4)).for_rank(0, 1))
+        with p.pop() as batch:
+            np.testing.assert_array_equal(torch.from_dlpack(batch["labels"]).numpy(),
+                                          torch.from_dlpack(batch["raw"]).numpy()[:, 4:12, 4:12, 4:12])
