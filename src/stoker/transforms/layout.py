@@ -15,9 +15,11 @@ InvalidArgument: RandomFlip(...): RandomCrops volume 0: the fields' boxes have o
 
 from __future__ import annotations
 
+import collections
 import functools
+import itertools
 import types
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple, Sequence
 
 from ..errors import InvalidArgument
@@ -26,8 +28,12 @@ from ..errors import InvalidArgument
 _TOLERANCE = 1e-6
 #: how deep find_geometric looks into a transform's attributes, closures and containers for the built-ins
 _DEPTH = 4
-#: how many items of one container (list, dict, an object's attributes) find_geometric looks at
+#: how many items of one container (list, dict, an object's attributes) find_geometric looks at, and how many
+#: objects in all (a wrapper holding a large model is not walked through)
 _ITEMS = 64
+_OBJECTS = 500
+#: what holds no transform: not walked into
+_LEAVES = (str, bytes, int, float, complex, type(None), type, types.ModuleType)
 
 
 class FieldBox(NamedTuple):
@@ -51,30 +57,28 @@ def find_geometric(transform: Any) -> list[Any]:
     closure or a ``functools.partial``, a few levels deep)."""
     found: list[Any] = []
     seen: set[int] = set()
-
-    def walk(obj: Any, depth: int) -> None:
-        if depth > _DEPTH or id(obj) in seen or obj is None or isinstance(obj, (str, bytes, int, float, type,
-                                                                                 types.ModuleType)):
-            return
+    queue = collections.deque([(transform, 0)] if not isinstance(transform, _LEAVES) else [])  # breadth first: what a wrapper holds itself is found first
+    while queue and len(seen) < _OBJECTS:
+        obj, depth = queue.popleft()
+        if id(obj) in seen:
+            continue
         seen.add(id(obj))
         if callable(getattr(obj, "check_layout", None)) and hasattr(obj, "about"):
             if obj.about != "own_centre":
                 found.append(obj)
-            return
-        for item in _parts(obj)[:_ITEMS]:
-            walk(item, depth + 1)
-
-    walk(transform, 0)
+        elif depth < _DEPTH:
+            queue.extend((item, depth + 1) for item in itertools.islice(_parts(obj), _ITEMS)
+                         if not isinstance(item, _LEAVES))
     return found
 
 
-def _parts(obj: Any) -> list[Any]:
+def _parts(obj: Any) -> Iterable[Any]:
     """What ``obj`` may hold a transform in: a container's items, a partial's function and arguments, a
     function's closure, an object's attributes (torch tensors and numpy arrays hold none)."""
     if isinstance(obj, (list, tuple, set, frozenset)):
-        return list(obj)
+        return obj
     if isinstance(obj, Mapping):
-        return list(obj.values())
+        return obj.values()
     if isinstance(obj, functools.partial):
         return [obj.func, *obj.args, *obj.keywords.values()]
     if isinstance(obj, types.MethodType):
