@@ -257,3 +257,21 @@ def test_a_tile_grid_and_a_sample_list_are_checked_too(vol):
         with p.pop() as batch:
             np.testing.assert_array_equal(torch.from_dlpack(batch["labels"]).numpy(),
                                           torch.from_dlpack(batch["raw"]).numpy()[:, 4:12, 4:12, 4:12])
+
+
+def test_a_flip_beside_large_attributes_is_found_and_own_centre_is_left_out():
+    """The walk is breadth first and bounded: a wrapper's own flip is found behind attributes of thousands of
+    objects; a flip given about='own_centre' is not checked."""
+    from stoker.transforms.layout import find_geometric
+
+    class Wrapper:
+        def __init__(self, flip):
+            self.junk = [[[object() for _ in range(16)] for _ in range(64)] for _ in range(64)]
+            self.flip = flip
+
+    flip = RandomFlip()
+    assert find_geometric(Wrapper(flip)) == [flip]
+    assert find_geometric(Wrapper(RandomFlip(about="own_centre"))) == []
+    assert find_geometric([RandomTranspose(about="own_centre"), flip]) == [flip]
+    with pytest.raises(stoker.InvalidArgument, match="about must be one of"):
+        RandomFlip(about="centre")
