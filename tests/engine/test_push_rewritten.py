@@ -2,6 +2,8 @@
 overwrite, same path): the next push reads it by its new metadata, never the new files by the old layout."""
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -36,6 +38,19 @@ def _want(data, samples):
     return np.stack([data[tuple(slice(*ax) for ax in s.aabb)] for s in samples]).astype("f4")
 
 
+@contextlib.contextmanager
+def _first_batch_popped(tmp_path, zarr_format=3):
+    """A pipeline that was pushed the 8 samples of a new array ``a.zarr`` and popped the first batch of 4
+    (checked against the array; the second still in flight): ``(pipeline, uri, data, samples)``."""
+    uri = str(tmp_path / "a.zarr")
+    data = _write(uri, 0, (8, 8), zarr_format)
+    samples = _samples(uri)
+    with stoker.Pipeline(_cfg()) as p:
+        p.push(samples)
+        assert np.array_equal(_pop(p), _want(data, samples[:4]))
+        yield p, uri, data, samples
+
+
 @pytest.mark.parametrize("zarr_format", [2, 3])
 def test_a_push_after_a_rewrite_reads_the_new_layout(tmp_path, zarr_format):
     uri = str(tmp_path / "a.zarr")
@@ -50,12 +65,7 @@ def test_a_push_after_a_rewrite_reads_the_new_layout(tmp_path, zarr_format):
 
 
 def test_a_push_after_a_rewrite_with_batches_of_the_old_layout_in_flight_is_refused(tmp_path):
-    uri = str(tmp_path / "a.zarr")
-    data = _write(uri, 0, (8, 8))
-    samples = _samples(uri)
-    with stoker.Pipeline(_cfg()) as p:
-        p.push(samples)
-        assert np.array_equal(_pop(p), _want(data, samples[:4]))
+    with _first_batch_popped(tmp_path) as (p, uri, _, samples):
         new = _write(uri, 1, (16, 4))
         with pytest.raises(stoker.errors.InvalidArgument, match="rewritten.*Pop every batch"):
             p.push(samples)
@@ -73,12 +83,7 @@ def test_a_push_after_an_attribute_update_or_a_touch_goes_on_with_batches_in_fli
     decoding attributes unchanged, the push goes on, the array read on as it was."""
     import os
 
-    uri = str(tmp_path / "a.zarr")
-    data = _write(uri, 0, (8, 8), zarr_format)
-    samples = _samples(uri)
-    with stoker.Pipeline(_cfg()) as p:
-        p.push(samples)
-        assert np.array_equal(_pop(p), _want(data, samples[:4]))
+    with _first_batch_popped(tmp_path, zarr_format) as (p, uri, data, samples):
         if how == "attrs":
             zarr.open_array(uri, mode="r+").attrs["epoch"] = 1
         else:
@@ -94,12 +99,7 @@ def test_a_push_after_an_attribute_update_or_a_touch_goes_on_with_batches_in_fli
 @pytest.mark.parametrize("zarr_format", [2, 3])
 def test_a_decoding_attribute_changed_with_batches_in_flight_is_still_refused(tmp_path, zarr_format):
     """A CF attribute stoker decodes by (``scale_factor``) written while batches are in flight: a rewrite."""
-    uri = str(tmp_path / "a.zarr")
-    data = _write(uri, 0, (8, 8), zarr_format)
-    samples = _samples(uri)
-    with stoker.Pipeline(_cfg()) as p:
-        p.push(samples)
-        assert np.array_equal(_pop(p), _want(data, samples[:4]))
+    with _first_batch_popped(tmp_path, zarr_format) as (p, uri, _, samples):
         zarr.open_array(uri, mode="r+").attrs["scale_factor"] = 2.0
         with pytest.raises(stoker.errors.InvalidArgument, match="rewritten.*Pop every batch"):
             p.push(samples)

@@ -295,18 +295,14 @@ def test_a_label_image_coarser_than_its_image_is_placed_over_the_image(tmp_path,
     fields = {"raw": stoker.Field(f"{image}/s0", (8, 8, 8)),
               "labels": stoker.Field(f"{image}/labels/cells/s0", (2, 2, 2), offset=(2, 2, 2)),
               "coarse": stoker.Field(f"{image}/labels/cells/s1", (2, 2, 2), offset=(0, 0, 0))}
-    source = stoker.RandomCrops(fields, seed=0, samples_per_epoch=12).for_rank(0, 1)
-    with stoker.Pipeline(stoker.Config(batch_size=4, dtype="i64")) as p:
-        p.push(source)
-        for _ in range(3):
-            with p.pop() as batch:
-                got = {k: torch_numpy(v) for k, v in batch.items()}
-                for i, sample in enumerate(batch.samples):
-                    a = [lo for lo, _ in sample["raw"].aabb]
-                    np.testing.assert_array_equal(got["raw"][i], raw[tuple(slice(s, s + 8) for s in a)])
-                    # the raw voxels at the labels' corners, two apart from 2 voxels in; four apart from 0
-                    np.testing.assert_array_equal(got["labels"][i], raw[tuple(slice(s + 2, s + 6, 2) for s in a)])
-                    np.testing.assert_array_equal(got["coarse"][i], raw[tuple(slice(s, s + 8, 4) for s in a)])
+
+    def check(got, i, sample, a):
+        np.testing.assert_array_equal(got["raw"][i], raw[tuple(slice(s, s + 8) for s in a)])
+        # the raw voxels at the labels' corners, two apart from 2 voxels in; four apart from 0
+        np.testing.assert_array_equal(got["labels"][i], raw[tuple(slice(s + 2, s + 6, 2) for s in a)])
+        np.testing.assert_array_equal(got["coarse"][i], raw[tuple(slice(s, s + 8, 4) for s in a)])
+
+    _each_crop(fields, check)
     assert labels.shape == (16, 16, 16)
 
 
@@ -314,6 +310,24 @@ def torch_numpy(batch) -> np.ndarray:
     import torch
 
     return torch.from_dlpack(batch).numpy().copy()
+
+
+def _each_crop(fields: dict, check) -> None:
+    """RandomCrops over ``fields`` (seed 0), 3 batches of 4 int64 samples: ``check(got, i, sample, a)`` on
+    every sample, ``got`` its batch's fields as numpy, ``i`` its row, ``a`` where its ``raw`` box starts."""
+    import stoker
+
+    source = stoker.RandomCrops(fields, seed=0, samples_per_epoch=12).for_rank(0, 1)
+    checked = 0
+    with stoker.Pipeline(stoker.Config(batch_size=4, dtype="i64")) as p:
+        p.push(source)
+        for _ in range(3):
+            with p.pop() as batch:
+                got = {k: torch_numpy(v) for k, v in batch.items()}
+                for i, sample in enumerate(batch.samples):
+                    check(got, i, sample, [lo for lo, _ in sample["raw"].aabb])
+                    checked += 1
+    assert checked == 12
 
 
 @pytest.mark.parametrize("fmt", [2, 3])
@@ -362,20 +376,16 @@ def test_a_label_image_written_with_default_transforms_lies_on_its_image_voxels(
     fields = {"raw": stoker.Field(f"{image}/s0", (2, 8, 8)),
               "labels": stoker.Field(f"{image}/labels/cells/s0", (2, 8, 8)),
               "coarse": stoker.Field(f"{image}/labels/cells/s1", (2, 4, 4))}
-    source = stoker.RandomCrops(fields, seed=0, samples_per_epoch=12).for_rank(0, 1)
-    with stoker.Pipeline(stoker.Config(batch_size=4, dtype="i64")) as p:
-        p.push(source)
-        for _ in range(3):
-            with p.pop() as batch:
-                got = {k: torch_numpy(v) for k, v in batch.items()}
-                for i, sample in enumerate(batch.samples):
-                    a = [lo for lo, _ in sample["raw"].aabb]
-                    want = raw[a[0]:a[0] + 2, a[1]:a[1] + 8, a[2]:a[2] + 8]
-                    np.testing.assert_array_equal(got["raw"][i], want)
-                    np.testing.assert_array_equal(got["labels"][i], want)  # voxel for voxel
-                    c = [lo for lo, _ in sample["coarse"].aabb]
-                    assert c == [a[0], a[1] // 2, a[2] // 2]
-                    np.testing.assert_array_equal(got["coarse"][i], coarse[c[0]:c[0] + 2, c[1]:c[1] + 4, c[2]:c[2] + 4])
+
+    def check(got, i, sample, a):
+        want = raw[a[0]:a[0] + 2, a[1]:a[1] + 8, a[2]:a[2] + 8]
+        np.testing.assert_array_equal(got["raw"][i], want)
+        np.testing.assert_array_equal(got["labels"][i], want)  # voxel for voxel
+        c = [lo for lo, _ in sample["coarse"].aabb]
+        assert c == [a[0], a[1] // 2, a[2] // 2]
+        np.testing.assert_array_equal(got["coarse"][i], coarse[c[0]:c[0] + 2, c[1]:c[1] + 4, c[2]:c[2] + 4])
+
+    _each_crop(fields, check)
 
 
 def _label_pair(path: str, fmt: int, label_shape: tuple, label_scale: list, label_shift: list | None = None) -> str:

@@ -101,6 +101,32 @@ def level_scale(uri: str | os.PathLike, storage_options: dict | None = None,
 Transform = tuple["list[float] | None", "list[float] | None"]
 
 
+def physical_spacing(uri: str | os.PathLike, storage_options: dict | None = None,
+                     stores: Stores | None = None) -> tuple[float, ...] | None:
+    """The physical extent of one voxel of the array at ``uri`` per axis, when it is a level of an OME-Zarr image
+    (its dataset's ``scale``, the multiscale's own applied); None for an array no multiscales list, or a level
+    without a scale. What a transpose must keep equal on the axes it swaps.
+
+    >>> physical_spacing("/data/em.ome.zarr/0")       # 4 nm sections, 1 nm pixels
+    (4.0, 1.0, 1.0)
+    """
+    uri = os.fspath(uri)
+    for attrs, name in _ancestor_attributes(uri, storage_options, stores):
+        multiscales = _multiscales(attrs)
+        if multiscales is None:
+            continue
+        for multiscale in multiscales:
+            datasets = multiscale.get("datasets") if isinstance(multiscale, dict) else None
+            if not isinstance(datasets, list):
+                continue
+            paths = [_dataset_path(d) for d in datasets]
+            if name in paths and isinstance(datasets[paths.index(name)], dict):
+                scale = _physical(multiscale, datasets[paths.index(name)], uri, name)[0]
+                return None if not scale else tuple(scale)
+        return None  # the nearest image group does not list the array
+    return None
+
+
 def is_label_level(uri: str | os.PathLike, storage_options: dict | None = None,
                    stores: Stores | None = None) -> bool:
     """Whether the array at ``uri`` is a level of an OME-Zarr label image (``<image>/labels/<name>/<level>``, its

@@ -4,8 +4,11 @@ Each sample's draw is a function of ``(seed, key)`` alone (:func:`~stoker.transf
 the host from the batch's keys; the samples are then grouped by draw and each group flipped (or permuted)
 with one indexing, one ``torch.flip`` (or ``permute``) and one write back per tensor: no Python per sample,
 no global random state. A batch is a tensor ``(B, *sample_shape)`` or a mapping ``{name: (B, ...)}`` of
-fields: every field of a sample gets that sample's draw, on its own trailing axes, so a label box centred in
-the raw box stays aligned with it (each field turns about its own centre).
+fields: every field of a sample gets that sample's draw, on its own trailing axes, each field about its own
+centre. That keeps the fields over one another only when their boxes share a centre (and, for a transpose, when
+each field's voxels have one spacing on the axes it swaps): the pipeline checks each source's fields against
+:meth:`RandomFlip.check_layout` before the first batch (:mod:`.layout`), an InvalidArgument saying what to change
+otherwise; ``about="own_centre"`` turns each field about its own centre unchecked.
 
 >>> flip = RandomFlip(axes=(-3, -2, -1), seed=0)
 >>> flip(batch, keys)                      # the pipeline calls it so: Config(transform=flip)
@@ -25,6 +28,7 @@ from ..checks import int64
 from ..errors import InvalidArgument
 from .compose import Keyed
 from .keys import check_keys, uniform
+from .layout import Layout, apart_error, centres_apart, uneven
 
 _FLIP_SALT = 0x466C6970  # "Flip": the built-ins' draws differ from each other's and from uniform(salt=0)
 _TRANSPOSE_SALT = 0x5472616E  # "Tran"
@@ -42,6 +46,16 @@ def _axes(who: str, axes: Any, least: int) -> tuple[int, ...]:
             f"counted from the end, so they name the same axes in fields with and without a channel axis), got "
             f"{axes!r}", knob="axes")
     return out
+
+
+#: what ``about=`` may say: the fields' shared centre (checked by the pipeline), or each field's own (unchecked)
+ABOUT = ("shared_centre", "own_centre")
+
+
+def _about(who: str, about: Any) -> str:
+    if about not in ABOUT:
+        raise InvalidArgument(f"{who}: about must be one of {list(ABOUT)}, got {about!r}", knob="about")
+    return str(about)
 
 
 def _seed(who: str, seed: Any) -> int:
@@ -117,14 +131,18 @@ class RandomFlip(Keyed):
     ``(seed, epoch, index)``: a resumed run, a slower consumer and another device flip alike.
 
     ``axes`` are trailing axes (negative), the same for every field of a dict batch; a sample's draw applies to
-    all its fields. In place, on the batch's device.
+    all its fields, each flipped about its own centre. The pipeline refuses fields whose boxes do not share a
+    centre on ``axes`` (they would no longer lie over one another) unless ``about="own_centre"``. In place, on
+    the batch's device.
 
     >>> cfg = stoker.Config(batch_size=8, dtype="f32", transform=[RandomFlip(axes=(-3, -2, -1), seed=0)])
     """
 
-    def __init__(self, axes: Sequence[int] = (-3, -2, -1), seed: int = 0, p: float = 0.5) -> None:
+    def __init__(self, axes: Sequence[int] = (-3, -2, -1), seed: int = 0, p: float = 0.5,
+                 about: str = "shared_centre") -> None:
         self.axes = _axes("RandomFlip", axes, 1)
         self.seed = _seed("RandomFlip", seed)
+        self.about = _about("RandomFlip", about)
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
             raise InvalidArgument(f"RandomFlip: p must be a probability in [0, 1], got {p!r}", knob="p")
         self.p = float(p)
@@ -143,8 +161,16 @@ class RandomFlip(Keyed):
                 _rewrite(t, rows, flip=dims)
         return batch
 
+    def check_layout(self, layout: Layout, where: str) -> None:
+        """InvalidArgument where the fields of ``layout`` (name -> :class:`~.layout.FieldBox`) have other centres on
+        a flipped axis; ``where`` names the samples."""
+        apart = centres_apart(layout, self.axes)
+        if apart:
+            raise apart_error(repr(self), layout, self.axes, apart, where, "flip", "flipped")
+
     def __repr__(self) -> str:
-        return f"RandomFlip(axes={self.axes}, seed={self.seed}, p={self.p})"
+        about = "" if self.about == "shared_centre" else f", about={self.about!r}"
+        return f"RandomFlip(axes={self.axes}, seed={self.seed}, p={self.p}{about})"
 
 
 class RandomTranspose(Keyed):
@@ -152,14 +178,17 @@ class RandomTranspose(Keyed):
     drawn uniformly per sample from ``(seed, epoch, index)``.
 
     The permuted axes must have one size in every field (InvalidArgument naming the field otherwise); a
-    sample's draw applies to all its fields. In place, on the batch's device.
+    sample's draw applies to all its fields. The pipeline refuses arrays whose voxels have other spacings on
+    ``axes`` (OME-Zarr ``scale`` ``[4, 1, 1]`` and z among them) and fields whose boxes do not share a centre on
+    them, unless ``about="own_centre"``. In place, on the batch's device.
 
     >>> cfg = stoker.Config(batch_size=8, dtype="f32", transform=[RandomTranspose(axes=(-2, -1), seed=1)])
     """
 
-    def __init__(self, axes: Sequence[int] = (-2, -1), seed: int = 0) -> None:
+    def __init__(self, axes: Sequence[int] = (-2, -1), seed: int = 0, about: str = "shared_centre") -> None:
         self.axes = _axes("RandomTranspose", axes, 2)
         self.seed = _seed("RandomTranspose", seed)
+        self.about = _about("RandomTranspose", about)
         self.orders = list(itertools.permutations(range(len(self.axes))))  # orders[0] is the identity
 
     def draws(self, keys: Any) -> np.ndarray:
@@ -188,5 +217,24 @@ class RandomTranspose(Keyed):
                 _rewrite(t, rows, permute=dims)
         return batch
 
+    def check_layout(self, layout: Layout, where: str) -> None:
+        """InvalidArgument where a field of ``layout`` has voxels of other spacings on the permuted axes (a
+        transpose would put z's voxels on y), or the fields have other centres on them; ``where`` names the
+        samples."""
+        for name, box in layout.items():
+            if uneven(box, self.axes):
+                what = f"field {name!r}" if name else "the batch"
+                spacing = [box.spacing[a] for a in self.axes if len(box.spacing) >= -a]
+                raise InvalidArgument(
+                    f"{self!r}: {where}: {what}'s voxels have spacings {[f'{v:g}' for v in spacing]} on axes "
+                    f"{self.axes} (from its OME-Zarr scale, or its field's scale); a transpose would put the voxels "
+                    "of one axis on another of other spacing (z on y), a distorted sample. Transpose only axes of "
+                    "one spacing (e.g. axes=(-2, -1) for a scale of [4, 1, 1]), or pass about='own_centre' to "
+                    "transpose the voxels anyway", knob="axes")
+        apart = centres_apart(layout, self.axes)
+        if apart:
+            raise apart_error(repr(self), layout, self.axes, apart, where, "transpose", "transposed", least=2)
+
     def __repr__(self) -> str:
-        return f"RandomTranspose(axes={self.axes}, seed={self.seed})"
+        about = "" if self.about == "shared_centre" else f", about={self.about!r}"
+        return f"RandomTranspose(axes={self.axes}, seed={self.seed}{about})"

@@ -28,6 +28,7 @@ from typing import Any, Callable, NamedTuple
 from ...config import Config
 from ...errors import InvalidArgument, RankMismatch, StokerError
 from ...sampling.sample import Sample, arrays_read
+from .geometry import LayoutGuard
 
 
 #: a pulled sample, its source id and its key (epoch, index)
@@ -69,6 +70,9 @@ class Intake:
         # the coordinator is inside a pushed iterable's next() (user code, outside the lock): what the exit hook
         # does not wait for once the pipeline is closed (see facade._parked)
         self.in_source = False
+        # flips and transposes must keep a sample's fields over one another: checked before any batch of them
+        self.guard = LayoutGuard(cfg)
+        self._laid_out: set[int] = set()  # ids of the sources the guard checked whole at push
 
     def push(self, samples: Sample | Iterable[Sample]) -> None:
         """Queue samples: one Sample, a sequence (checked now), a sharded source (pulled lazily, its
@@ -79,8 +83,11 @@ class Intake:
             raise InvalidArgument(f"push takes a Sample or an iterable of Samples, got {type(samples).__name__}")
         it = iter(samples)
         if hasattr(it, "state_after"):  # a resumable source (RankShare): pulled lazily, position tracked
+            whole = self.guard.pushed(it)
             with self.cond:
                 sid = self._new_source()
+                if whole:
+                    self._laid_out.add(sid)
                 self._resumable[sid] = it
                 if getattr(it, "complete_epochs", False):
                     self._whole.add(sid)
@@ -92,6 +99,7 @@ class Intake:
             for s in items:  # outside the lock: a long list takes a while
                 shape = validate(s, shape, first)
                 first = first or s
+                self.guard.sample(s)
             with self.cond:
                 if self.shape is not shape0 or self.first is not first0:
                     # a pull or another push settled the pipeline's shape meanwhile: check against it (pull
@@ -149,6 +157,8 @@ class Intake:
                 self.in_source = False
             try:
                 shape = validate(sample, self.shape, self.first)
+                if sid not in self._laid_out:
+                    self.guard.sample(sample)
             except StokerError as exc:
                 return self._take_before_error(), exc
             key = getattr(source, "key", None) if sid in self._resumable else None

@@ -1,0 +1,110 @@
+"""The check that a pipeline's flips and transposes keep a sample's fields over one another, made before the
+first batch of them (see :mod:`stoker.transforms.layout`).
+
+A pushed source whose fields are :class:`~stoker.Field` volumes (``RandomCrops``, ``TileGrid`` of fields) is
+checked once at push, volume by volume, from each field's offset, extent and scale: every sample of a volume
+has its fields in the same place around its anchor. Any other sample (a pushed list or iterable, a
+``SampleList``, a source of one's own) is checked as it is validated, from its boxes and its arrays' OME-Zarr
+levels (read once per array); a layout checked once is remembered, so a run of samples alike costs a dict
+lookup each. A pipeline without such transforms checks nothing.
+
+>>> guard = LayoutGuard(cfg)
+>>> guard.pushed(share)          # True: its volumes were checked (InvalidArgument otherwise)
+>>> guard.sample(sample)         # a sample of a push the guard could not check whole
+"""
+
+from __future__ import annotations
+
+from operator import mul, sub
+from typing import Any
+
+from ...config import Config
+from ...reader.ome import level_scale, physical_spacing
+from ...sampling.sample import Sample
+from ...storage.locate import options_for
+from ...transforms.augment import RandomTranspose
+from ...transforms.layout import FieldBox, check_layout, find_geometric
+
+
+class LayoutGuard:
+    """The geometric built-ins of ``cfg.transform`` and what was found of the samples so far."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.transforms = find_geometric(cfg.transform)
+        self.options = cfg.storage_options
+        self.spacing = any(isinstance(t, RandomTranspose) for t in self.transforms)  # spacings count
+        self._scales: dict[str, tuple[int, ...]] = {}  # per array: its OME-Zarr level's scale (1 otherwise)
+        self._spacings: dict[str, tuple[float, ...] | None] = {}  # per array: its OME-Zarr voxel spacing
+        self._passed: set[Any] = set()  # layouts (relative to the first field) already checked
+
+    def pushed(self, it: Any) -> bool:
+        """Check a pushed iterator's source when it is made of Field volumes; whether it was (its samples then
+        need no look of their own)."""
+        share = getattr(it, "src", it)
+        volumes = getattr(getattr(share, "source", None), "volumes", None)
+        if not self.transforms or not isinstance(volumes, list):
+            return not self.transforms
+        who = type(share.source).__name__
+        for i, mv in enumerate(volumes):
+            vol = mv.volume
+            layout = {}
+            for name in vol.names:
+                f, scale = vol.fields[name], vol.scales[name]
+                centre2 = tuple(2 * o + c * s for o, c, s in zip(f.offset, f.shape, scale))  # from the anchor
+                layout[name] = FieldBox(centre2, self._spacing(f.uris[0], scale), f.offset)
+            where = f"{who} volume {i}" + (f" ({vol.fields[vol.names[0]].uris[0]})" if len(volumes) > 1 else "")
+            check_layout(self.transforms, layout, where)
+        return True
+
+    def sample(self, s: Sample) -> None:
+        """Check one sample (InvalidArgument naming it where a transform would move its fields apart)."""
+        if not self.transforms:
+            return
+        if s.fields is None:
+            if not self.spacing or s.uri in self._passed:
+                return
+            spacing = self._spacing(s.uri, (1,) * len(s.aabb or ()))  # a transpose's only concern here
+            check_layout(self.transforms, {"": FieldBox((0,) * len(spacing), spacing)}, f"sample {s!r}")
+            self._passed.add(s.uri)
+            return
+        if len(s.fields) == 1 and not self.spacing:
+            return  # one field: nothing to move apart
+        # the key: each field's array and centre relative to the first field's (a few microseconds a sample:
+        # samples alike, boxes moved together, hit the same key)
+        key, first = [], None
+        for f in s.fields.values():
+            box = f.aabb or ()
+            scale = self._scales.get(f.uri)
+            if scale is None or len(scale) != len(box):
+                scale = self._frame(f.uri, len(box))[0]
+            centre2 = tuple(map(mul, scale, map(sum, box)))
+            first = first or centre2
+            key.append((f.uri, tuple(map(sub, centre2[::-1], first[::-1]))))
+        if tuple(key) in self._passed:
+            return
+        layout = {}
+        for name, f in s.fields.items():
+            box = f.aabb or ()
+            scale, spacing = self._frame(f.uri, len(box))
+            layout[name] = FieldBox(tuple(k * (a + b) for k, (a, b) in zip(scale, box)), spacing)
+        check_layout(self.transforms, layout, f"sample {s!r}")
+        self._passed.add(tuple(key))
+
+    def _frame(self, uri: str, ndim: int) -> tuple[tuple[int, ...], tuple[float, ...]]:
+        """``uri``'s scale (reference voxels per voxel: its OME-Zarr level's, else 1) and voxel spacing (its
+        OME-Zarr one, else its scale), each read once."""
+        if uri not in self._scales:
+            self._scales[uri] = level_scale(uri, options_for(self.options, uri)) or ()  # () for scale 1
+        scale = self._scales[uri]
+        scale = scale if len(scale) == ndim else (1,) * ndim
+        if not self._scales[uri]:
+            self._scales[uri] = scale  # a plain array's scale 1 of this rank, found at once next time
+        return scale, self._spacing(uri, scale)
+
+    def _spacing(self, uri: str, scale: tuple[int, ...]) -> tuple[float, ...]:
+        """The voxel spacing of ``uri`` (placed at ``scale``): its OME-Zarr one, else ``scale``; only asked for
+        with a transpose among the transforms (a flip needs no spacing)."""
+        if self.spacing and uri not in self._spacings:
+            self._spacings[uri] = physical_spacing(uri, options_for(self.options, uri))
+        spacing = self._spacings.get(uri)
+        return spacing if spacing is not None and len(spacing) == len(scale) else tuple(map(float, scale))

@@ -1,0 +1,153 @@
+"""Where a sample's fields lie, and whether a flip or transpose keeps them over one another.
+
+``RandomFlip`` and ``RandomTranspose`` change each field of a batch in its own voxels: a flip turns a field's
+box about its own centre, a transpose swaps its axes about its own diagonal. The fields stay over one another
+only when their centres coincide on the axes changed and, for a transpose, when each field's voxels have one
+spacing on the axes it swaps. The pipeline knows the boxes (a :class:`~stoker.Field`'s offset, extent and
+scale; a :class:`~stoker.Sample`'s boxes and its arrays' OME-Zarr levels) and checks them before the first
+batch through :func:`check_layout`; the batch itself carries no geometry.
+
+>>> layout = {"raw": FieldBox((96, 96), (1.0, 1.0)), "labels": FieldBox((56, 56), (1.0, 1.0))}
+>>> check_layout(find_geometric(RandomFlip(axes=(-2, -1))), layout, "RandomCrops volume 0")
+Traceback (most recent call last):
+InvalidArgument: RandomFlip(...): RandomCrops volume 0: the fields' boxes have other centres ...
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import itertools
+import types
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple, Sequence
+
+from ..errors import InvalidArgument
+
+#: how far two voxel spacings (floats from OME-Zarr metadata) may differ relatively and still be one spacing
+_TOLERANCE = 1e-6
+#: how deep find_geometric looks into a transform's attributes, closures and containers for the built-ins
+_DEPTH = 4
+#: how many items of one container (list, dict, an object's attributes) find_geometric looks at, and how many
+#: objects in all (a wrapper holding a large model is not walked through)
+_ITEMS = 64
+_OBJECTS = 500
+#: what holds no transform: not walked into
+_LEAVES = (str, bytes, int, float, complex, type(None), type, types.ModuleType)
+
+
+class FieldBox(NamedTuple):
+    """One field of a sample: ``centre2`` twice its box's centre per axis of the box, in reference voxels from
+    an origin the sample's fields share (twice, so it is an integer); ``spacing`` the extent of one of its
+    voxels per axis (physical units from OME-Zarr metadata, else reference voxels: only their ratios within a
+    field count); ``offset`` a :class:`~stoker.Field`'s (None for a sample's box), to say which would centre it."""
+
+    centre2: tuple[int, ...]
+    spacing: tuple[float, ...]
+    offset: tuple[int, ...] | None = None
+
+
+Layout = Mapping[str, FieldBox]  # field name -> its box ("" for a sample of one box)
+
+
+def find_geometric(transform: Any) -> list[Any]:
+    """The flips and transposes in ``transform`` that turn fields about their shared centre (the built-ins, and
+    any object with a ``check_layout`` method and an ``about`` other than ``"own_centre"``): itself, the members
+    of a :class:`~.compose.Compose` or list, and those a wrapper of one's own holds (in its attributes, a
+    closure or a ``functools.partial``, a few levels deep)."""
+    found: list[Any] = []
+    seen: set[int] = set()
+    queue = collections.deque([(transform, 0)] if not isinstance(transform, _LEAVES) else [])  # breadth first: what a wrapper holds itself is found first
+    while queue and len(seen) < _OBJECTS:
+        obj, depth = queue.popleft()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if callable(getattr(obj, "check_layout", None)) and hasattr(obj, "about"):
+            if obj.about != "own_centre":
+                found.append(obj)
+        elif depth < _DEPTH:
+            queue.extend((item, depth + 1) for item in itertools.islice(_parts(obj), _ITEMS)
+                         if not isinstance(item, _LEAVES))
+    return found
+
+
+def _parts(obj: Any) -> Iterable[Any]:
+    """What ``obj`` may hold a transform in: a container's items, a partial's function and arguments, a
+    function's closure, an object's attributes (torch tensors and numpy arrays hold none)."""
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return obj
+    if isinstance(obj, Mapping):
+        return obj.values()
+    if isinstance(obj, functools.partial):
+        return [obj.func, *obj.args, *obj.keywords.values()]
+    if isinstance(obj, types.MethodType):
+        return [obj.__self__]
+    if isinstance(obj, types.FunctionType):
+        return [c.cell_contents for c in obj.__closure__ or () if _filled(c)]
+    if type(obj).__module__.split(".")[0] in ("torch", "numpy", "builtins"):
+        return []
+    parts = list(getattr(obj, "__dict__", {}).values())
+    parts += [getattr(obj, s, None) for s in getattr(type(obj), "__slots__", ()) if isinstance(s, str)]
+    return parts
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        _ = cell.cell_contents
+    except ValueError:  # a closure variable not yet assigned
+        return False
+    return True
+
+
+def check_layout(transforms: Sequence[Any], layout: Layout, where: str) -> None:
+    """InvalidArgument (from the first of ``transforms`` it breaks) where the fields of ``layout`` would not
+    stay over one another; ``where`` names the samples in the message (a source's volume, a sample)."""
+    for t in transforms:
+        t.check_layout(layout, where)
+
+
+def centres_apart(layout: Layout, axes: Sequence[int]) -> list[int]:
+    """Those of ``axes`` (trailing, negative) on which the fields' centres differ (fields of fewer axes, whose
+    channel axis that is, left out)."""
+    apart = []
+    for a in axes:
+        centres = {box.centre2[a] for box in layout.values() if len(box.centre2) >= -a}
+        if len(centres) > 1:
+            apart.append(a)
+    return apart
+
+
+def uneven(box: FieldBox, axes: Sequence[int]) -> bool:
+    """Whether ``box``'s voxels have other spacings on ``axes`` (those it has)."""
+    spacing = [box.spacing[a] for a in axes if len(box.spacing) >= -a]
+    return bool(spacing) and max(spacing) - min(spacing) > _TOLERANCE * max(abs(s) for s in spacing)
+
+
+def describe(layout: Layout, axes: Sequence[int]) -> str:
+    """Each field's centre on ``axes`` for a message: ``'raw' (48, 48), 'labels' (28, 28)``."""
+    def centre(box: FieldBox) -> str:
+        values = [box.centre2[a] / 2 for a in axes if len(box.centre2) >= -a]
+        return "(" + ", ".join(f"{v:g}" for v in values) + ")"
+    return ", ".join(f"{name!r} {centre(box)}" for name, box in layout.items())
+
+
+def apart_error(who: str, layout: Layout, axes: Sequence[int], apart: Sequence[int], where: str,
+                verb: str, done: str, least: int = 1) -> InvalidArgument:
+    """The InvalidArgument for fields whose centres differ on ``apart`` (of the transform's ``axes``)."""
+    keep = [a for a in axes if a not in apart]
+    first = next(iter(layout.values()))
+    fixes = {name: tuple(o + (first.centre2[i - len(box.centre2)] - c) / 2 if i - len(box.centre2) in apart else o
+                         for i, (o, c) in enumerate(zip(box.offset, box.centre2)))
+             for name, box in layout.items() if box.offset is not None and box is not first}
+    fixes = {name: tuple(int(v) if float(v).is_integer() else v for v in o) for name, o in fixes.items()}
+    fix = f"; here offset={', '.join(f'{o} for {n!r}' for n, o in fixes.items())}" if fixes else ""
+    only = f"{verb} only the axes where they are centred (axes={tuple(keep)}), " if len(keep) >= least else ""
+    return InvalidArgument(
+        f"{who}: {where}: the fields' boxes have other centres on axes {tuple(apart)} (reference voxels"
+        f"{' from the anchor' if first.offset is not None else ''}: "
+        f"{describe(layout, apart)}); each field is {done} about its own centre, so after it the fields would "
+        f"no longer lie over one another (a label box beside its raw box). Centre the fields' boxes on one "
+        "another (a Field's offset = the first field's offset + (its extent - this field's extent) / 2, in "
+        f"reference voxels{fix}), {only}or pass "
+        f"about='own_centre' to {verb} each field about its own centre anyway", knob="about")

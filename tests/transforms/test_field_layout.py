@@ -1,0 +1,277 @@
+"""Flips and transposes of a batch of fields keep the fields over one another, or are refused before a batch.
+
+Each field is flipped (transposed) in its own voxels, about its own centre: right only for boxes that share a
+centre (and, for a transpose, voxels of one spacing on the axes swapped). The labels here are the raw data
+itself (or its 2x block mean), so a label box still lying over its raw box after the augmentation is checked
+voxel for voxel against numpy."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import re
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+import stoker
+from stoker.transforms import Compose, Keyed, RandomFlip, RandomTranspose
+
+RAW = (32, 32, 32)
+
+
+@pytest.fixture(scope="module")
+def vol(tmp_path_factory):
+    """A raw volume, the same data as a labels array, and its 2x block mean as an OME-Zarr level 1."""
+    root = tmp_path_factory.mktemp("layout")
+    data = np.random.default_rng(3).normal(0, 1, RAW).astype(np.float32)
+    g = zarr.open_group(str(root / "img.ome.zarr"), mode="w", zarr_format=3)
+    g.create_array("0", shape=RAW, chunks=(8, 8, 8), dtype="float32")[...] = data
+    coarse = data.reshape(16, 2, 16, 2, 16, 2).mean(axis=(1, 3, 5), dtype=np.float64).astype(np.float32)
+    g.create_array("1", shape=coarse.shape, chunks=(8, 8, 8), dtype="float32")[...] = coarse
+    axes = [{"name": a, "type": "space"} for a in "zyx"]
+    g.attrs["ome"] = {"version": "0.5", "multiscales": [{"axes": axes, "datasets": [
+        {"path": "0", "coordinateTransformations": [{"type": "scale", "scale": [1.0] * 3}]},
+        {"path": "1", "coordinateTransformations": [{"type": "scale", "scale": [2.0] * 3},
+                                                    {"type": "translation", "translation": [0.5] * 3}]}]}]}
+    labels = str(root / "labels.zarr")
+    zarr.create_array(labels, shape=RAW, chunks=(8, 8, 8), dtype="float32")[...] = data
+    aniso = zarr.open_group(str(root / "aniso.ome.zarr"), mode="w", zarr_format=3)
+    aniso.create_array("0", shape=RAW, chunks=(8, 8, 8), dtype="float32")[...] = data
+    aniso.attrs["ome"] = {"version": "0.5", "multiscales": [{"axes": axes, "datasets": [
+        {"path": "0", "coordinateTransformations": [{"type": "scale", "scale": [4.0, 1.0, 1.0]}]}]}]}
+    return {"raw": str(root / "img.ome.zarr" / "0"), "coarse": str(root / "img.ome.zarr" / "1"),
+            "labels": labels, "aniso": str(root / "aniso.ome.zarr" / "0"), "data": data}
+
+
+def _cfg(transform, **kw):
+    base = dict(batch_size=8, dtype="f32", device="cpu", host_buffer_bytes=16 << 20, pop_timeout_s=30.0,
+                n_compute_threads=2, n_io_threads=1, transform=transform)
+    return stoker.Config(**{**base, **kw})
+
+
+def _batches(cfg, source, n):
+    """The popped fields as numpy, with the keys."""
+    out = []
+    with stoker.Pipeline(cfg) as p:
+        p.push(source)
+        for batch in p.batches(n):
+            out.append(({k: torch.from_dlpack(v).numpy().copy() for k, v in batch.items()},
+                        batch.sample_keys.copy(), list(batch["raw"].samples)))
+    return out
+
+
+def _crops(vol, labels_offset, labels_shape=(8, 8, 8), samples=64, **extra):
+    fields = {"raw": stoker.Field(vol["raw"], (16, 16, 16)),
+              "labels": stoker.Field(vol["labels"], labels_shape, offset=labels_offset), **extra}
+    return stoker.RandomCrops(fields, seed=5, samples_per_epoch=samples).for_rank(0, 1)
+
+
+def test_a_centred_label_box_stays_over_its_raw_box_through_every_draw(vol):
+    """Flips of every axis and transposes of all three: each of the 8 flip draws and 6 orders occurs, and the
+    label box is the centre of the augmented raw box in every sample, as numpy's flip/transpose give it."""
+    flip, turn = RandomFlip(axes=(-3, -2, -1), seed=1), RandomTranspose(axes=(-3, -2, -1), seed=2)
+    got = _batches(_cfg([flip, turn]), _crops(vol, (4, 4, 4)), 8)
+    codes, orders = set(), set()
+    for fields, keys, samples in got:
+        flips, order = flip.draws(keys), turn.draws(keys)
+        codes |= {tuple(f) for f in flips.tolist()}
+        orders |= set(order.tolist())
+        np.testing.assert_array_equal(fields["labels"], fields["raw"][:, 4:12, 4:12, 4:12])
+        for i, s in enumerate(samples):  # the raw field against numpy: the augmentation did happen
+            crop = vol["data"][tuple(slice(a, b) for a, b in s.aabb)]
+            crop = np.flip(crop, [a for a, f in zip((-3, -2, -1), flips[i]) if f])
+            np.testing.assert_array_equal(fields["raw"][i], np.transpose(crop, turn.orders[order[i]]))
+    assert codes == set(itertools.product([False, True], repeat=3)) and orders == set(range(6))
+
+
+def test_a_label_box_at_the_raw_corner_is_refused_at_push_with_what_to_change(vol):
+    """Labels at offset (0, 0, 0) in a larger raw box (what a previous trial built): every flipped sample would
+    pair labels with the wrong raw voxels. Refused at push, naming the centres and the offset that centres it;
+    about='own_centre' lets it through, and then the pairs are indeed wrong."""
+    with stoker.Pipeline(_cfg([RandomFlip(seed=1)])) as p:
+        with pytest.raises(stoker.InvalidArgument) as err:
+            p.push(_crops(vol, (0, 0, 0)))
+    msg = str(err.value)
+    assert "RandomCrops volume 0" in msg and "axes (-3, -2, -1)" in msg
+    assert "'raw' (8, 8, 8), 'labels' (4, 4, 4)" in msg
+    assert "offset=(4, 4, 4) for 'labels'" in msg and "about='own_centre'" in msg
+    assert err.value.knob == "about"
+    flip = RandomFlip(seed=1, about="own_centre")
+    wrong = 0
+    for fields, keys, _ in _batches(_cfg([flip]), _crops(vol, (0, 0, 0)), 2):
+        same = [np.array_equal(fields["labels"][i], fields["raw"][i, :8, :8, :8]) for i in range(len(keys))]
+        assert same == [not f.any() for f in flip.draws(keys)]  # misaligned exactly where flipped
+        wrong += same.count(False)
+    assert wrong > 0
+
+
+def test_only_the_axes_where_the_fields_are_centred_may_be_flipped(vol):
+    """Labels centred in y and x but not z: flips of y and x pass and stay aligned; z among them is refused,
+    and the message names axes=(-2, -1) as what would pass."""
+    with pytest.raises(stoker.InvalidArgument, match=re.escape("flip only the axes where they are centred "
+                                                               "(axes=(-2, -1))")):
+        _batches(_cfg([RandomFlip(axes=(-3, -2, -1))]), _crops(vol, (0, 4, 4)), 1)
+    flip = RandomFlip(axes=(-2, -1), seed=4)
+    for fields, _, _ in _batches(_cfg([flip]), _crops(vol, (0, 4, 4)), 2):
+        np.testing.assert_array_equal(fields["labels"], fields["raw"][:, :8, 4:12, 4:12])
+    with pytest.raises(stoker.InvalidArgument, match="other centres on axes \\(-3,\\)"):
+        _batches(_cfg([RandomTranspose(axes=(-3, -2, -1))]), _crops(vol, (0, 4, 4)), 1)
+
+
+def test_a_coarser_field_is_placed_by_its_scale_and_stays_aligned(vol):
+    """A context field of the OME level 1 (scale 2 from the metadata), 16 voxels = 32 reference voxels around
+    the raw box (offset -8): centred, so flips and transposes keep it over the raw box, its centre 8 voxels
+    the 2x block mean of the augmented raw box. 8 such voxels from the anchor cover the raw box (centred); 16
+    from it are refused: centres 8 and 16."""
+    context = stoker.Field(vol["coarse"], (16, 16, 16), offset=(-8, -8, -8))
+    source = stoker.RandomCrops({"raw": stoker.Field(vol["raw"], (16, 16, 16)), "context": context}, seed=1,
+                                samples_per_epoch=32).for_rank(0, 1)
+    flip, turn = RandomFlip(seed=7), RandomTranspose(axes=(-3, -2, -1), seed=8)
+    for fields, _, _ in _batches(_cfg([flip, turn]), source, 4):
+        raw = fields["raw"].reshape(-1, 8, 2, 8, 2, 8, 2).mean(axis=(2, 4, 6), dtype=np.float64)
+        np.testing.assert_allclose(fields["context"][:, 4:12, 4:12, 4:12], raw, rtol=1e-5, atol=1e-6)
+    off = stoker.RandomCrops({"raw": stoker.Field(vol["raw"], (16, 16, 16)),
+                              "context": stoker.Field(vol["coarse"], (8, 8, 8))}, seed=1, samples_per_epoch=8)
+    for fields, _, _ in _batches(_cfg([flip, turn]), off.for_rank(0, 1), 1):
+        raw = fields["raw"].reshape(-1, 8, 2, 8, 2, 8, 2).mean(axis=(2, 4, 6), dtype=np.float64)
+        np.testing.assert_allclose(fields["context"], raw, rtol=1e-5, atol=1e-6)
+    wide = stoker.RandomCrops({"raw": stoker.Field(vol["raw"], (16, 16, 16)),
+                               "context": stoker.Field(vol["coarse"], (16, 16, 16))}, seed=1, samples_per_epoch=8)
+    with pytest.raises(stoker.InvalidArgument, match=re.escape("'raw' (8, 8, 8), 'context' (16, 16, 16)")):
+        _batches(_cfg([flip]), wide.for_rank(0, 1), 1)
+
+
+def test_transposes_of_axes_of_other_spacings_are_refused(vol):
+    """An OME-Zarr level 0 of scale [4, 1, 1]: a cubic crop passes the size check, but z is 4x y's spacing.
+    Transposing z is refused (at the first batch for a source of plain crops), y and x alone pass; a field of
+    scale (1, 2, 2) over an isotropic raw is uneven too."""
+    source = stoker.RandomCrops([vol["aniso"]], sample_shape=(8, 8, 8), seed=0, samples_per_epoch=8)
+    with pytest.raises(stoker.InvalidArgument, match=r"spacings \['4', '1', '1'\] on axes \(-3, -2, -1\)") as err:
+        with stoker.Pipeline(_cfg([RandomTranspose(axes=(-3, -2, -1))])) as p:
+            p.push(source.for_rank(0, 1))
+            p.pop()
+    assert "axes=(-2, -1)" in str(err.value)
+    turn = RandomTranspose(axes=(-2, -1), seed=3)
+    with stoker.Pipeline(_cfg([turn])) as p:
+        p.push(source.for_rank(0, 1))
+        with p.pop() as batch:
+            x = torch.from_dlpack(batch).numpy()
+            for i, s in enumerate(batch.samples):
+                crop = vol["data"][tuple(slice(a, b) for a, b in s.aabb)]
+                want = crop if turn.draws(batch.keys)[i] == 0 else crop.transpose(0, 2, 1)
+                np.testing.assert_array_equal(x[i], want)
+    fields = {"raw": stoker.Field(vol["raw"], (16, 16, 16)),
+              "half": stoker.Field(vol["labels"], (16, 8, 8), offset=(0, 0, 0), scale=(1, 2, 2))}
+    with pytest.raises(stoker.InvalidArgument, match=r"field 'half''s voxels have spacings \['1', '2'\]"):
+        _batches(_cfg([RandomTranspose(axes=(-3, -2))]),
+                 stoker.RandomCrops(fields, seed=0, samples_per_epoch=8).for_rank(0, 1), 1)
+
+
+def _plain(vol, start):
+    """Samples of fields pushed as a list: labels' box from ``start`` in each 16-box of raw."""
+    return [stoker.Sample({"raw": (vol["raw"], [(a, a + 16)] * 3),
+                           "labels": (vol["labels"], [(a + start, a + start + 8)] * 3)}) for a in (0, 4, 8, 16)]
+
+
+def test_plain_samples_are_checked_at_push_or_at_the_first_pop(vol):
+    """Pushed as a list: checked at push; as a generator: at the pop of the first batch with it; centred ones
+    stay aligned; a coarse OME level's box is placed by its scale from the metadata."""
+    flip = RandomFlip(seed=2)
+    with stoker.Pipeline(_cfg([flip], batch_size=4)) as p:
+        with pytest.raises(stoker.InvalidArgument, match=r"sample Sample\(\{'raw'.*'raw' \(8, 8, 8\), 'labels' "
+                                                         r"\(4, 4, 4\)"):
+            p.push(_plain(vol, 0))
+        p.push(iter(_plain(vol, 0)))
+        with pytest.raises(stoker.InvalidArgument, match="other centres"):
+            p.pop()
+    with stoker.Pipeline(_cfg([flip], batch_size=4)) as p:
+        p.push(_plain(vol, 4))
+        with p.pop() as batch:
+            np.testing.assert_array_equal(torch.from_dlpack(batch["labels"]).numpy(),
+                                          torch.from_dlpack(batch["raw"]).numpy()[:, 4:12, 4:12, 4:12])
+    coarse = [stoker.Sample({"raw": (vol["raw"], [(8, 24)] * 3), "context": (vol["coarse"], [(0, 16)] * 3)})]
+    with stoker.Pipeline(_cfg([flip], batch_size=1)) as p:
+        p.push(coarse)  # raw centred at 16, context at 2 * 8 = 16: scale 2 from the OME metadata
+        with pytest.raises(stoker.InvalidArgument, match=re.escape("'raw' (16, 16, 16), 'context' (24, 24, 24)")):
+            p.push([stoker.Sample({"raw": (vol["raw"], [(8, 24)] * 3), "context": (vol["coarse"], [(4, 20)] * 3)})])
+
+
+class _Mine(Keyed):
+    """A user's own wrapper that runs a built-in flip on a part of the samples."""
+
+    def __init__(self):
+        self.inner = {"flip": RandomFlip(seed=9)}
+
+    def __call__(self, batch, keys):
+        return self.inner["flip"](batch, keys)
+
+
+@pytest.mark.parametrize("transform", [
+    RandomFlip(seed=1), [RandomTranspose(axes=(-2, -1)), RandomFlip(seed=1)], Compose([Compose([RandomFlip()])]),
+    _Mine(), functools.partial(RandomFlip(), keys=None), (lambda f: (lambda b: f(b, None)))(RandomFlip())],
+    ids=["flip", "list", "nested-compose", "wrapper", "partial", "closure"])
+def test_every_way_a_flip_is_given_is_checked(vol, transform):
+    with stoker.Pipeline(_cfg(transform)) as p:
+        with pytest.raises(stoker.InvalidArgument, match="other centres"):
+            p.push(_crops(vol, (0, 0, 0)))
+
+
+def test_crop_dataset_refuses_before_its_first_batch(vol):
+    ds = stoker.CropDataset(_crops(vol, (0, 0, 0)), _cfg([RandomFlip()]))
+    with pytest.raises(stoker.InvalidArgument, match="other centres"):
+        next(iter(ds))
+
+
+def test_checks_cost_nothing_per_sample_of_a_field_source(vol, monkeypatch):
+    """A source of Field volumes is checked at push, once: its samples are not looked at one by one; plain
+    samples alike are checked once (one metadata read per array), then remembered."""
+    from stoker.engine.pipeline import geometry
+
+    looked, reads = [], []
+    real_sample, real_scale = geometry.LayoutGuard.sample, geometry.level_scale
+    monkeypatch.setattr(geometry.LayoutGuard, "sample", lambda self, s: looked.append(s) or real_sample(self, s))
+    monkeypatch.setattr(geometry, "level_scale", lambda uri, *a: reads.append(uri) or real_scale(uri, *a))
+    _batches(_cfg([RandomFlip()]), _crops(vol, (4, 4, 4)), 4)
+    assert looked == [] and reads == []
+    with stoker.Pipeline(_cfg([RandomFlip()], batch_size=4)) as p:
+        p.push(_plain(vol, 4) * 8)
+        p.pop()
+    assert len(looked) == 32 and sorted(reads) == sorted([vol["raw"], vol["labels"]])
+
+
+def test_a_tile_grid_and_a_sample_list_are_checked_too(vol):
+    """A TileGrid of fields at push (its volumes); a SampleList's samples as pulled (the error at pop)."""
+    fields = {"raw": stoker.Field(vol["raw"], (16, 16, 16)), "labels": stoker.Field(vol["labels"], (8, 8, 8))}
+    with stoker.Pipeline(_cfg([RandomFlip()])) as p:
+        with pytest.raises(stoker.InvalidArgument, match="TileGrid volume 0: the fields' boxes have other centres"):
+            p.push(stoker.TileGrid(fields).for_rank(0, 1))
+    with stoker.Pipeline(_cfg([RandomFlip()], batch_size=2)) as p:
+        p.push(stoker.SampleList(_plain(vol, 0)).for_rank(0, 1))
+        with pytest.raises(stoker.InvalidArgument, match="other centres"):
+            p.pop()
+    with stoker.Pipeline(_cfg([RandomFlip(seed=3)], batch_size=2)) as p:
+        p.push(stoker.SampleList(_plain(vol, 4)).for_rank(0, 1))
+        with p.pop() as batch:
+            np.testing.assert_array_equal(torch.from_dlpack(batch["labels"]).numpy(),
+                                          torch.from_dlpack(batch["raw"]).numpy()[:, 4:12, 4:12, 4:12])
+
+
+def test_a_flip_beside_large_attributes_is_found_and_own_centre_is_left_out():
+    """The walk is breadth first and bounded: a wrapper's own flip is found behind attributes of thousands of
+    objects; a flip given about='own_centre' is not checked."""
+    from stoker.transforms.layout import find_geometric
+
+    class Wrapper:
+        def __init__(self, flip):
+            self.junk = [[[object() for _ in range(16)] for _ in range(64)] for _ in range(64)]
+            self.flip = flip
+
+    flip = RandomFlip()
+    assert find_geometric(Wrapper(flip)) == [flip]
+    assert find_geometric(Wrapper(RandomFlip(about="own_centre"))) == []
+    assert find_geometric([RandomTranspose(about="own_centre"), flip]) == [flip]
+    with pytest.raises(stoker.InvalidArgument, match="about must be one of"):
+        RandomFlip(about="centre")
