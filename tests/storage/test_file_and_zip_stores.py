@@ -11,6 +11,7 @@ import time
 import warnings
 import zipfile
 
+import numpy as np
 import pytest
 
 from stoker.errors import DecodeError, InvalidArgument, NotFound, StorageError, UnsupportedFormat
@@ -87,6 +88,35 @@ def test_zip_names_leaving_the_root_are_refused(tmp_path, name):
 def test_zip_duplicate_names_are_refused(tmp_path):
     with pytest.raises(DecodeError, match="twice"):
         ZipStore(write(tmp_path / "t.zip", [("c/0", A), ("c/0", B)]))
+
+
+def test_a_zarr_zipstore_with_members_written_twice_is_refused_saying_what_to_do(tmp_path):
+    """zarr-python's ZipStore appends a metadata member again when it is rewritten (as xarray's to_zarr does):
+    the refusal says how to make an archive of one member per name, and that archive reads as zarr-python does."""
+    import shutil
+
+    import zarr
+
+    import stoker
+
+    path = str(tmp_path / "a.zip")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # zipfile's "Duplicate name"
+        store = zarr.storage.ZipStore(path, mode="w")
+        z = zarr.create_array(store, shape=(4, 6), chunks=(2, 3), dtype="i2", zarr_format=2)
+        z[:] = np.arange(24, dtype="i2").reshape(4, 6)
+        z.attrs["units"] = "m"  # .zattrs written again
+        z.attrs["long_name"] = "depth"
+        store.close()
+    with pytest.raises(DecodeError, match=r"twice.*Write the store to a directory.*zip -0 -r"):
+        stoker.open_array(path)
+    want = zarr.open_array(zarr.storage.ZipStore(path, mode="r"), mode="r")[:]
+    with zipfile.ZipFile(path) as zf:  # what the message says: a directory, archived with each name once
+        for name in {i.filename for i in zf.infolist()}:
+            (tmp_path / "d.zarr" / name).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / "d.zarr" / name).write_bytes(zf.read(name))  # zipfile (as zarr-python) reads the last
+    shutil.make_archive(str(tmp_path / "once"), "zip", tmp_path / "d.zarr")
+    assert np.array_equal(stoker.open_array(str(tmp_path / "once.zip")).read([(0, 4), (0, 6)]), want)
 
 
 @pytest.mark.parametrize("entry, size", [(0, len(A) + 100), (1, len(B) + 100)])

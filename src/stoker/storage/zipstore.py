@@ -93,8 +93,12 @@ class ZipStore(Store):
                                   "or backslashes); stoker does not read archives whose names leave their root",
                                   uri=self.uri, key=info.filename) from None
             if info.filename in members:
+                # zarr-python's ZipStore (xarray's to_zarr into one) appends a member again at every update of
+                # it, metadata above all; a zip tool keeps each name once
                 raise DecodeError(f"{self.path}: member {info.filename!r} is stored twice; which one is meant is "
-                                  "ambiguous", uri=self.uri, key=info.filename)
+                                  "ambiguous (zarr-python's ZipStore, also under xarray's to_zarr, writes a member "
+                                  "again at each update). Write the store to a directory and archive that, each name "
+                                  "once: cd store.zarr && zip -0 -r ../store.zip .", uri=self.uri, key=info.filename)
             # A stored member's bytes are bounds-checked by compress_size and read by file_size: sizes
             # that differ would read past the member, into the next header or member.
             if info.compress_type == zipfile.ZIP_STORED and info.file_size != info.compress_size:
