@@ -309,6 +309,8 @@ def test_numcodecs_array_to_array_codecs_inside_shards(tmp_path, decode_path):
       {"name": "numcodecs.delta", "configuration": {"dtype": "<i2"}}], "transpose together with numcodecs"),
     ([{"name": "numcodecs.delta", "configuration": {"dtype": "<i2"}},
       {"name": "sharding_indexed", "configuration": {"chunk_shape": [4, 4]}}], "before sharding_indexed"),
+    ([{"name": "transpose", "configuration": {"order": [1, 0]}},
+      {"name": "sharding_indexed", "configuration": {"chunk_shape": [4, 4]}}], "before sharding_indexed"),
     ([{"name": "numcodecs.pcodec", "configuration": {"level": 8}}],
      "array-to-bytes codec 'numcodecs.pcodec' is not supported"),
 ])
