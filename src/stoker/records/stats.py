@@ -48,7 +48,7 @@ import os
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -468,6 +468,9 @@ def _check_some_finite(merged: Mapping[str, Moments], kind: str) -> None:
 def _check_args(ds: Any, fields: Any, derived: Any) -> tuple[list[str], dict[str, Derived]]:
     if not isinstance(ds, ZarrRecords):
         raise InvalidArgument(f"ds must be a ZarrRecords (or one of its rank parts), got {type(ds).__name__}")
+    if not isinstance(fields, (str, Iterable)):  # None, a number: a bare TypeError of list() before
+        raise InvalidArgument(f"fields must be a field name or a list of them, got {fields!r}; name the fields to "
+                              f"compute statistics of, from {list(ds.fields)}", knob="fields")
     names = [fields] if isinstance(fields, str) else list(fields)
     if not names:
         raise InvalidArgument("fields is empty; name the fields to compute statistics of")
