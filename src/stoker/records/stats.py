@@ -451,9 +451,13 @@ def _some(acc: _Acc, name: str) -> Moments | None:
 
 
 def _check_some_finite(merged: Mapping[str, Moments], kind: str) -> None:
-    """NonFiniteData for a channel whose every value was skipped: no statistics describe it. Every rank
-    holds the same merged moments, so every rank raises alike."""
+    """NonFiniteData for a channel whose every value was skipped, InvalidArgument for a field with no value at
+    all: no statistics describe either. Every rank holds the same merged moments, so every rank raises alike."""
     for name, m in merged.items():
+        if int(m.count) == 0 and not bool((m.skipped > 0).any()):  # mean 0, std NaN: normalize would pass it as is
+            raise InvalidArgument(f"{kind} {name!r} holds no value in any record (each is empty): there is nothing to "
+                                  "compute statistics of, and statistics of nothing would leave the values of a later "
+                                  "dataset unnormalised; leave it out of the fields", field=name)
         empty = ((m.finite == 0) & (m.skipped > 0)).reshape(-1)
         if bool(empty.any()):
             where = "" if m.channels is None else f" in channel(s) {torch.nonzero(empty).reshape(-1).tolist()}"
