@@ -757,6 +757,9 @@ def test_stats_argument_errors(data):
         compute_stats(ds, ["positions"], derived=odd, derived_input="normalized", cache=False)
     with pytest.raises(InvalidArgument):
         compute_stats([1, 2], ["positions"])
+    for fields in (None, 3):  # a bare TypeError of list() before; the message lists the fields to name
+        with pytest.raises(InvalidArgument, match="positions"):
+            compute_stats(ds, fields, cache=False)
 
 
 # -- real process groups ------------------------------------------------------------------------

@@ -65,6 +65,31 @@ def test_incremented_indices_keep_their_dtype_where_they_fit(tmp_path, index_dty
     assert np.array_equal(batch["edges"].numpy().astype(np.int64), want)
 
 
+@pytest.mark.parametrize("bad", [-1, 5])
+def test_an_index_outside_its_own_record_is_refused_not_shifted_into_another(tmp_path, bad):
+    # A -1 ("no neighbour") in record 1 was shifted by record 0's 5 nodes to 4: record 0's last node, silently;
+    # an index past its own record's nodes pointed into the next record's.
+    nodes = [5, 4, 6]
+    for i, n in enumerate(nodes):
+        g = zarr.open_group(os.path.join(tmp_path, f"g{i}.zarr"), mode="w")
+        g.create_array("points", data=np.arange(2 * n, dtype="f4").reshape(n, 2))
+        nbr = np.stack([(np.arange(n) + 1) % n, (np.arange(n) + 2) % n], axis=1).astype("i8")
+        if i == 1:
+            nbr[2, 1] = bad if bad < 0 else n + 1
+        g.create_array("nbr", data=nbr)
+    ds = ZarrRecords(str(tmp_path), fields={"points": ("N", 2), "nbr": ("N", 2)})
+    with pytest.raises(InvalidArgument, match="'nbr'") as info:
+        _first(Loader(ds, 3, collate=Concat(increment={"nbr": "N"}), shuffle=False, n_threads=1))
+    assert info.value.context["sample"] == "g1.zarr" and info.value.index == (bad if bad < 0 else 5)
+    legacy = [{"points": ds[i]["points"], "nbr": ds[i]["nbr"]} for i in range(3)]
+    with pytest.raises(InvalidArgument, match="'nbr'"):
+        Concat(increment={"nbr": "points"})(legacy)
+    # Valid indices (every record's own rows) are shifted as zarr-python's values plus the nodes before.
+    good = [{"points": s["points"], "nbr": s["nbr"].clamp(0, s["points"].shape[0] - 1)} for s in legacy]
+    want = np.concatenate([g["nbr"].numpy() + sum(nodes[:i]) for i, g in enumerate(good)])
+    assert np.array_equal(Concat(increment={"nbr": "points"})(good)["nbr"].numpy(), want)
+
+
 def test_a_pad_value_the_field_cannot_hold_is_refused_not_changed(tmp_path):
     # Pad(-1) on uint8 labels (an ignore_index) was 255, Pad(0.5) on int32 was 0: another value, silently.
     for i, n in enumerate((2, 3)):

@@ -94,6 +94,28 @@ def test_skipping_matches_numpys_nan_aware_statistics(data):
     assert info.value.count == n
 
 
+def test_a_field_empty_in_every_record_is_an_error_not_statistics_of_nothing(tmp_path):
+    """An optional field written empty in every training record (``vel (0, 3)``) gave count 0, mean 0, std NaN,
+    min inf, max -inf, cached; normalize then passed a validation record's velocities through unscaled."""
+    import zarr
+
+    for i in range(3):
+        g = zarr.open_group(str(tmp_path / f"r{i}.zarr"), mode="w")
+        g.create_array("pos", data=np.arange(12.0).reshape(4, 3) + i)
+        g.create_array("vel", data=np.zeros((0, 3)))
+    ds = ZarrRecords(str(tmp_path), fields={"pos": ("N", 3), "vel": ("M", 3)})
+    for policy in ("raise", "skip"):
+        with pytest.raises(InvalidArgument, match="'vel' holds no value in any record"):
+            compute_stats(ds, ["pos", "vel"], nonfinite=policy)
+        assert not os.path.exists(sidecar.path_for(str(tmp_path)))  # nothing cached
+    with pytest.raises(InvalidArgument, match="derived 'none' holds no value"):
+        compute_stats(ds, ["pos"], derived={"none": lambda s: s["vel"]}, derived_input="raw", cache=False)
+    # The field beside it, with values, as numpy computes its statistics.
+    stats = compute_stats(ds, ["pos"], cache=False)["pos"]
+    want = np.concatenate([zarr.open_array(str(tmp_path / f"r{i}.zarr" / "pos"))[:] for i in range(3)])
+    assert int(stats.count) == 12 and np.allclose(stats.mean.numpy(), want.mean(0), rtol=1e-15)
+
+
 def test_the_sidecar_records_skipped_counts_under_its_own_policy(tmp_path):
     root = str(tmp_path / "d")
     truth = write_with_nonfinite(root)

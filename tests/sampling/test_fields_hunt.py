@@ -96,3 +96,20 @@ def test_padding_an_empty_axis_is_a_constant_or_an_error_never_zeros(tmp_path, p
             got = torch.from_dlpack(batch["x"])[0].numpy()
     want = np.pad(np.zeros((0, 4), "u2"), [(1, 1), (0, 0)], constant_values=9 if pad == "fill" else 0)
     np.testing.assert_array_equal(got, want)
+
+
+def test_a_2d_tissue_mask_under_a_channel_first_slide_names_its_axes_not_the_box(tmp_path):
+    """A 2-D tissue mask 9x coarser (``scale=9``) under fields of (c, y, x) slides: the scale, spread over the
+    fields' 3 axes, blamed field 'hi''s box on axis 2 (extent 3 "not whole mask voxels"), which told the user
+    to change a box that was right; the mask's number of axes is what is wrong, and is said first."""
+    zarr.create_array(str(tmp_path / "slide.zarr"), shape=(3, 90, 117), chunks=(3, 32, 32), dtype="u1")
+    zarr.create_array(str(tmp_path / "tissue.zarr"), shape=(10, 13), chunks=(10, 13), dtype="u1")[:] = 1
+    fields = {"hi": stoker.Field(str(tmp_path / "slide.zarr"), (3, 18, 18))}
+    with pytest.raises(stoker.RankMismatch, match="2 axes .*'hi'.* 3") as err:
+        stoker.RandomCrops(fields, seed=0, mask=stoker.Mask(str(tmp_path / "tissue.zarr"), 0.5, "hi", scale=9))
+    assert "whole mask voxels" not in str(err.value)
+    # Given the volume's axes (a channel axis of one voxel spanning the 3 channels), it is taken.
+    zarr.create_array(str(tmp_path / "tissue3.zarr"), shape=(1, 10, 13), chunks=(1, 10, 13), dtype="u1")[:] = 1
+    src = stoker.RandomCrops(fields, seed=0, samples_per_epoch=4,
+                             mask=stoker.Mask(str(tmp_path / "tissue3.zarr"), 0.5, "hi", scale=(3, 9, 9)))
+    assert len(_anchors(src)) == 9 * 12  # every (y, x) on the lattice of 9 whose 18x18 box fits in 90x117

@@ -274,7 +274,7 @@ class Concat:
         offsets = self._offsets(fields, plan, sizes, axes, legacy)
         for name, ts in fields.items():
             if name in offsets:
-                ts = _shift(name, ts, offsets[name])
+                ts = _shift(name, ts, *offsets[name])
             if name in legacy:
                 ts = [t.reshape(1) if t.ndim == 0 else t for t in ts]
                 _same_but(name, ts, 0, "only the first dim may differ: give the field dims in the dataset's "
@@ -293,9 +293,11 @@ class Concat:
                                                         torch.tensor(sizes[dim], dtype=torch.long)), fields)
         return out
 
-    def _offsets(self, fields: dict, plan: dict, sizes: dict, axes: dict, legacy: list) -> dict[str, list[int]]:
-        """Per incremented field, each sample's offset: the running size of the dim (or field) it indexes."""
-        out: dict[str, list[int]] = {}
+    def _offsets(self, fields: dict, plan: dict, sizes: dict, axes: dict,
+                 legacy: list) -> dict[str, tuple[list[int], list[int]]]:
+        """Per incremented field, each sample's offset (the running size of the dim, or field, it indexes) and
+        that dim's size in the sample (its indices' bound)."""
+        out: dict[str, tuple[list[int], list[int]]] = {}
         for key, target in self.increment.items():
             if key not in fields:
                 raise InvalidArgument(f"increment {key!r} -> {target!r}: the samples have fields {sorted(fields)}",
@@ -312,7 +314,7 @@ class Concat:
             else:
                 raise InvalidArgument(f"increment {key!r} -> {target!r}: that is neither a joined dim "
                                       f"{sorted(sizes)} nor a joined field", field=key)
-            out[key] = np.cumsum([0] + rows[:-1]).tolist()
+            out[key] = (np.cumsum([0] + rows[:-1]).tolist(), rows)
         return out
 
     def _batch_keys(self, sizes: dict[str, list[int]], plan: dict[str, str | None]) -> dict[str, str]:
@@ -347,7 +349,7 @@ class Concat:
         for key, ts in fields.items():
             if key in self.increment:
                 rows = [t.shape[0] for t in fields[self.increment[key]]]
-                ts = _shift(key, ts, np.cumsum([0] + rows[:-1]).tolist())
+                ts = _shift(key, ts, np.cumsum([0] + rows[:-1]).tolist(), rows)
             out[key] = torch.cat(ts, dim=0)
             sizes = torch.tensor([t.shape[0] for t in ts], dtype=torch.long)
             out[f"{key}_batch"] = torch.repeat_interleave(torch.arange(len(ts)), sizes)
@@ -362,23 +364,34 @@ class Concat:
         return f"Concat({', '.join(args)})"
 
 
-def _shift(key: str, ts: Sequence[torch.Tensor], offsets: Sequence[int]) -> list[torch.Tensor]:
-    """Index tensors ``ts`` plus their samples' ``offsets``, in their own dtype; a DtypeMismatch where a
-    shifted index would not fit it (torch would wrap it around silently: uint8 255 + 1 is 0)."""
+def _shift(key: str, ts: Sequence[torch.Tensor], offsets: Sequence[int], rows: Sequence[int]) -> list[torch.Tensor]:
+    """Index tensors ``ts`` plus their samples' ``offsets``, in their own dtype. Each sample's indices must lie in
+    ``[0, rows[j])``, the size of what they index in that sample: offset into the batch, a -1 sentinel or an index
+    past its own sample would point at another sample's rows (InvalidArgument). A DtypeMismatch where a shifted
+    index would not fit the dtype (torch would wrap it around silently: uint8 255 + 1 is 0)."""
     out = []
-    for j, (t, off) in enumerate(zip(ts, offsets)):
+    for j, (t, off, n) in enumerate(zip(ts, offsets, rows)):
         # torch has neither max nor addition for uint16/32/64: both in int64 (checked to fit), then cast back
         wide = t.dtype in _NO_ADD
         v = t.to(torch.int64) if wide else t
-        if off and t.numel() and t.dtype != torch.int64:  # int64 indices of a batch never reach 2**63
-            most = min(torch.iinfo(t.dtype).max, torch.iinfo(torch.int64).max)
-            # a uint64 index beyond int64's range wrapped to a negative one in v
-            top = most + 1 if wide and int(v.min()) < 0 else int(v.max()) + int(off)
-            if top > most:
-                raise DtypeMismatch(
-                    f"increment {key!r}: sample {j}'s indices reach {top} in the batch, beyond what {t.dtype} holds "
-                    f"({most}); store the field as int64 (or int32), or cast it in the Loader's transform=",
-                    field=key, position=j)
+        if t.numel():
+            low, high = int(v.min()), int(v.max())
+            if t.dtype != torch.int64:  # int64 indices of a batch never reach 2**63
+                most = min(torch.iinfo(t.dtype).max, torch.iinfo(torch.int64).max)
+                # a uint64 index beyond int64's range wrapped to a negative one in v
+                top = most + 1 if wide and low < 0 else high + int(off)
+                if top > most:
+                    raise DtypeMismatch(
+                        f"increment {key!r}: sample {j}'s indices reach {top} in the batch, beyond what {t.dtype} "
+                        f"holds ({most}); store the field as int64 (or int32), or cast it in the Loader's "
+                        "transform=", field=key, position=j)
+            if low < 0 or high >= n:
+                bad = low if low < 0 else high
+                raise InvalidArgument(
+                    f"increment {key!r}: sample {j} holds index {bad}, outside the {n} rows it indexes (0 to "
+                    f"{n - 1}); offset by {off} into the batch it would point at another sample's rows. Fix the "
+                    "record, or map such values (a -1 for 'none') in the Loader's transform= or a collate of your "
+                    "own", field=key, position=j, index=bad)
         out.append((v + off).to(t.dtype))
     return out
 

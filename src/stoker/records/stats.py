@@ -48,7 +48,7 @@ import os
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -451,9 +451,13 @@ def _some(acc: _Acc, name: str) -> Moments | None:
 
 
 def _check_some_finite(merged: Mapping[str, Moments], kind: str) -> None:
-    """NonFiniteData for a channel whose every value was skipped: no statistics describe it. Every rank
-    holds the same merged moments, so every rank raises alike."""
+    """NonFiniteData for a channel whose every value was skipped, InvalidArgument for a field with no value at
+    all: no statistics describe either. Every rank holds the same merged moments, so every rank raises alike."""
     for name, m in merged.items():
+        if int(m.count) == 0 and not bool((m.skipped > 0).any()):  # mean 0, std NaN: normalize would pass it as is
+            raise InvalidArgument(f"{kind} {name!r} holds no value in any record (each is empty): there is nothing to "
+                                  "compute statistics of, and statistics of nothing would leave the values of a later "
+                                  "dataset unnormalised; leave it out of the fields", field=name)
         empty = ((m.finite == 0) & (m.skipped > 0)).reshape(-1)
         if bool(empty.any()):
             where = "" if m.channels is None else f" in channel(s) {torch.nonzero(empty).reshape(-1).tolist()}"
@@ -468,6 +472,9 @@ def _check_some_finite(merged: Mapping[str, Moments], kind: str) -> None:
 def _check_args(ds: Any, fields: Any, derived: Any) -> tuple[list[str], dict[str, Derived]]:
     if not isinstance(ds, ZarrRecords):
         raise InvalidArgument(f"ds must be a ZarrRecords (or one of its rank parts), got {type(ds).__name__}")
+    if not isinstance(fields, (str, Iterable)):  # None, a number: a bare TypeError of list() before
+        raise InvalidArgument(f"fields must be a field name or a list of them, got {fields!r}; name the fields to "
+                              f"compute statistics of, from {list(ds.fields)}", knob="fields")
     names = [fields] if isinstance(fields, str) else list(fields)
     if not names:
         raise InvalidArgument("fields is empty; name the fields to compute statistics of")

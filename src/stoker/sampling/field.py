@@ -271,6 +271,10 @@ def open_volume(fields: Mapping[str, Field], mask: Any, storage_options: dict | 
     reader = open_array(mask.uri, options_for(by_prefix, mask.uri), stores=stores)
     check_field_dimensions(firsts + [(f"mask {mask.uri}", reader)], who, stores, by_prefix)
     ndim = len(fields[mask.field].shape)
+    if reader.ndim != ndim:  # before the scale and alignment, which would blame the field's box on an axis
+        raise RankMismatch(f"{who}: mask {mask.uri} has {reader.ndim} axes (shape {reader.shape}); field "
+                           f"{mask.field!r}'s arrays have {ndim}: a mask is an array of the volume's axes",
+                           uri=mask.uri)
     given = mask.scale
     mask_scale = (given,) * ndim if isinstance(given, int) else given or \
         level_scale(mask.uri, options_for(by_prefix, mask.uri), stores) or (1,) * ndim
