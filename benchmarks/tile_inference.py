@@ -36,6 +36,15 @@ same for CPU time (``time.process_time``: every thread of the process; on a mach
 the steadier of the two). Every output is checked against the input outside the timings (an identity model's blend is the input). A peer
 that does not import is reported as missing and left out. Threads: ``--threads`` for stoker's decoding and
 for torch (``torch.set_num_threads``).
+
+The peers' CPU time counts torch's OpenMP workers spinning between operations: libgomp's default wait policy
+spins for a while after each parallel operation before it sleeps, and MONAI's and torchio's many small torch
+operations keep those workers spinning through most of their tiling (torchio's ``none`` row at load 6-12: the
+main thread and the OpenMP worker 0.43-0.70 s of CPU a volume by default, 0.12 s with
+``OMP_WAIT_POLICY=PASSIVE``; see docs/inference.md). That is CPU a peer takes from the machine, not work, so
+the CPU ratios of a default run overstate how much less stoker computes; ``--omp-passive`` runs the whole
+benchmark again with ``OMP_WAIT_POLICY=PASSIVE`` (the workers sleep at once; stoker uses no OpenMP), and the
+result names the policy it ran with (``omp_wait_policy``).
 """
 
 from __future__ import annotations
@@ -317,7 +326,15 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--dir", default=None, help="where the arrays go (default: a temporary folder)")
     p.add_argument("--components", action="store_true",
                    help="also the CPU seconds of each peer's parts, run apart (read, encode, store, blend)")
+    p.add_argument("--omp-passive", action="store_true",
+                   help="run with OMP_WAIT_POLICY=PASSIVE (the script starts itself again with it): torch's OpenMP "
+                        "workers sleep between operations instead of spinning, so the peers' CPU time is their work")
     a = p.parse_args(argv)
+    if a.omp_passive and os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
+        # libgomp reads the policy once, when torch loads it: only a fresh process takes it
+        args = sys.argv[1:] if argv is None else list(argv)
+        os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *args],
+                  {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
     sys.path.extend(a.extra_path)
     torch.set_num_threads(a.threads)
     peers, missing = available(a.peers)
@@ -352,6 +369,7 @@ def main(argv: list[str] | None = None) -> dict:
                     "data": a.data, "codec": a.codec,
                     "batch_size": a.batch_size, "threads": a.threads, "write_threads": a.write_threads, "rounds": a.rounds, "cpus": os.cpu_count(),
                     "load_1min": [round(x, 2) for x in load], "missing": missing, "blends": {},
+                    "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY") or "default",
                     "components_cpu_s": parts}
     for blend, by_peer in times.items():
         med = {peer: statistics.median(t) for peer, t in by_peer.items()}
@@ -367,7 +385,8 @@ def main(argv: list[str] | None = None) -> dict:
                           if peer != "stoker" and "stoker" in med_cpu}}
     print(f"{a.shape} uint16 {a.data}, tiles {a.tile}, crop {a.crop}, chunks {a.chunks}, codec {a.codec}, "
           f"{a.rounds} interleaved rounds, "
-          f"{os.cpu_count()} CPUs, 1-min load {result['load_1min']}" + (f"; missing: {missing}" if missing else ""))
+          f"{os.cpu_count()} CPUs, 1-min load {result['load_1min']}, OMP_WAIT_POLICY {result['omp_wait_policy']}"
+          + (f"; missing: {missing}" if missing else ""))
     for blend, r in result["blends"].items():
         print(f"blend={blend}: median s {r['median_s']}, best s {r['best_s']}; stoker / peer: {r['speedup']}; "
               f"CPU s (process_time, median) {r['cpu_median_s']}, peer / stoker: {r['cpu_ratio']}")

@@ -99,3 +99,27 @@ def test_smooth_data_is_a_seeded_microscopy_like_volume_every_peer_gets(bench, t
     assert result["data"] == "smooth" and set(result["blends"]["hann"]["median_s"]) == set(peers)
     written = zarr.open_array(str(tmp_path / "in.zarr"), mode="r")[:]
     np.testing.assert_array_equal(written, bench.volume_data("smooth", (20, 36, 30)))
+
+
+def test_omp_passive_starts_the_run_again_with_the_policy_and_the_result_names_it(bench, tmp_path, monkeypatch):
+    """``--omp-passive``: libgomp reads OMP_WAIT_POLICY once, when torch loads it, so the script starts itself
+    again with it set (the same arguments); a run that has it goes on, and every result names the policy."""
+    args = ["--shape", "20", "36", "30", "--tile", "16", "16", "16", "--crop", "4", "--chunks", "8", "16", "16",
+            "--rounds", "1", "--batch-size", "3", "--threads", "1", "--peers", "stoker", "--blends", "none"]
+    calls = []
+
+    def execve(path, argv, env):
+        calls.append((path, argv, env))
+        raise SystemExit(0)
+
+    monkeypatch.setattr(bench.os, "execve", execve)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    # without the flag: no new process
+    assert bench.main([*args, "--dir", str(tmp_path / "a")])["omp_wait_policy"] == "default"
+    with pytest.raises(SystemExit):
+        bench.main([*args, "--omp-passive"])
+    [(path, argv, env)] = calls
+    assert argv[1:] == [str(SCRIPT), *args, "--omp-passive"] and env["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")  # started again: it runs here
+    assert bench.main([*args, "--omp-passive", "--dir", str(tmp_path / "b")])["omp_wait_policy"] == "passive"
+    assert len(calls) == 1
