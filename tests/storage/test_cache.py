@@ -101,6 +101,17 @@ def test_get_many_is_get_for_each_key_in_one_lock():
     assert cache.get_many([]) == []
 
 
+def test_holds_is_in_for_each_key_and_touches_nothing():
+    """``holds`` says what ``in`` says of each key (a cached None held too), and neither reorders nor counts."""
+    cache = SizedLRU(max_bytes=30, sizeof=lambda v: 10)
+    for k in (1, 2, 3):
+        cache.put(k, None if k == 2 else k * 10)
+    assert cache.holds([3, 9, 2, 1, 3]) == [True, False, True, True, True]
+    assert list(cache._items) == [1, 2, 3] and (cache.hits, cache.misses) == (0, 0)
+    cache.put(4, 40)  # evicts 1: still the least recently used
+    assert cache.holds([1, 4]) == [False, True] and cache.holds([]) == []
+
+
 def test_sized_lru_oversized_values_are_returned_not_kept():
     cache = SizedLRU(max_bytes=100, sizeof=len)
     small = cache.get_or_load("s", lambda: b"x" * 60)

@@ -629,6 +629,30 @@ def test_revalidate_ahead_heads_every_object_over_http(http, data, tmp_path):
     assert heads() == 16 and not [p for _, m, p in http.log[start:] if m == "GET" and "/plain/c/" in p]
 
 
+def test_revalidate_ahead_asks_no_listing_of_a_store_that_holds_none(http, s3, data, tmp_path, monkeypatch):
+    # over HTTP (and S3 arrays opened on a cold cache) the store holds no listing: revalidate_ahead asks it so once
+    # a call (lists_any), not listed() once an array; an S3 array whose open listed it is still asked, and skipped
+    calls: list[str] = []
+    listed = cachingstore.CachingStore.listed
+    monkeypatch.setattr(cachingstore.CachingStore, "listed", lambda self, prefix: calls.append(prefix) or
+                        listed(self, prefix))
+    options = _cached(tmp_path / "http")
+    uri = f"{http.url}/plain"
+    a = stoker.open_array(uri, options, stores=Stores())
+    assert not _caching(a).lists_any()
+    assert revalidate_ahead(_every_object(uri), lambda u: a) == 16
+    assert calls == []
+    np.testing.assert_array_equal(a.read((slice(0, 64), slice(0, 64))), zarr_values(data, "plain"))
+    prefix, uri, options, _ = _warm(s3, data, tmp_path)
+    with moto_log() as log:
+        a = stoker.open_array(uri, options, stores=Stores())
+        assert _caching(a).lists_any()
+        assert revalidate_ahead(_every_object(uri), lambda u: a) == 0
+        assert calls == [f"{prefix}/plain"]  # once a call and array
+        np.testing.assert_array_equal(a.read((slice(0, 64), slice(0, 64))), zarr_values(data, "plain"))
+    assert _counted(log, prefix, "plain") == {"list": 1, "head": 0, "get": 0}
+
+
 def test_revalidate_ahead_skips_objects_its_store_knows_fresh_until_half_the_bound(http, data, tmp_path):
     # a pipeline asks about every pulled batch's objects: those its store said are known and younger than half
     # the staleness bound are not asked again (no key built, nothing asked: before, every chunk's key was built
@@ -810,7 +834,7 @@ def test_a_pulled_batch_is_revalidated_once_its_own_arrays_are_open(http, data, 
     reader_of = {uris[path]: path for path in uris}
     revalidate_when_open([(uris["plain"], opened), (uris["sharded"], opening)],
                          [_every_object(uris["plain"]), _every_object(uris["sharded"])],
-                         lambda u: readers.get(reader_of[u]))
+                         lambda us: [readers.get(reader_of[u]) for u in us])
     assert _heads_until(lambda: heads("plain"), 16) == 16  # before: none until the other open was done
     assert heads("sharded") == 0
     readers["sharded"] = stoker.open_array(uris["sharded"], options, stores=stores)
@@ -821,6 +845,31 @@ def test_a_pulled_batch_is_revalidated_once_its_own_arrays_are_open(http, data, 
     assert not [p for _, m, p in http.log[start:] if m == "GET" and "/c/" in p]
     assert heads("plain") == 16 and heads("sharded") == 16
     stores.close()
+
+
+def test_a_pulled_batch_has_its_arrays_looked_up_once_for_revalidating_and_its_shard_indexes(http, data, tmp_path):
+    # the coordinator's one callback a batch: its open arrays looked up together once (not once a sample for
+    # each of the two reads ahead), then its objects HEADed ahead, and its shard indexes read on the thread given
+    from stoker.engine.pipeline.coordinator import revalidate_when_open
+
+    options = _cached(tmp_path)
+    uri = f"{http.url}/sharded"
+    a = stoker.open_array(uri, options, stores=Stores())
+    np.testing.assert_array_equal(a.read((slice(0, 64), slice(0, 64))), zarr_values(data, "sharded"))
+    assert _caching(a).cache.flush(30)
+    a = stoker.open_array(uri, options, stores=Stores())  # a new pipeline's: nothing known, no index cached
+    looked: list[list[str]] = []
+    ran: list = []
+    start = len(http.log)
+    samples = _every_object(uri)
+    revalidate_when_open([], [samples[:8], samples[8:]], lambda us: looked.append(list(us)) or [a] * len(us),
+                         run=ran.append)
+    assert looked == [[uri], [uri]]  # once a batch, each array of it once
+    assert ran  # the shard indexes' reads handed to the thread given
+    for fn in ran:
+        fn()
+    assert _heads_until(lambda: sum(m == "HEAD" and "/sharded/c/" in p for _, m, p in http.log[start:]), 16) == 16
+    np.testing.assert_array_equal(a.read((slice(0, 64), slice(0, 64))), zarr_values(data, "sharded"))
 
 
 def test_a_key_revalidated_ahead_then_read_looks_up_its_marker_once(data, tmp_path, monkeypatch):

@@ -697,3 +697,28 @@ def test_a_prefetch_error_warned_of_as_an_error_still_wakes_the_coordinator(http
             assert _until(lambda: woken)  # before: never woken
     finally:
         store.close()
+
+
+def test_the_disk_cache_attributes_a_batch_reads_are_reached_without_the_fallback(http, tmp_path, monkeypatch):
+    # what the coordinator reads of a PrefetchStore every batch is the disk cache's, through a property, not
+    # __getattr__'s fallback (an AttributeError raised and caught first); one the store lacks is still missing
+    from stoker.storage.cachingstore import CachingStore
+    from stoker.storage.diskcache import DiskCache
+
+    hot = ("fetched", "cache", "changes", "settled", "revalidate", "fresh_until", "listed", "lists_any")
+    fallback: list[str] = []
+    getattr_ = PrefetchStore.__getattr__
+    monkeypatch.setattr(PrefetchStore, "__getattr__", lambda self, name: fallback.append(name) or getattr_(self, name))
+    kv = CachingStore(ObjectStore(http.url), DiskCache(str(tmp_path / "cache"), 1 << 20))
+    buffer = PrefetchBuffer(1 << 20, 4)
+    try:
+        wrapped = PrefetchStore(kv, buffer)
+        for name in hot:
+            assert getattr(wrapped, name) == getattr(kv, name)
+        assert wrapped.cache is kv.cache and wrapped.lists_any() is False
+        assert fallback == []
+        bare = PrefetchStore(ObjectStore(http.url), buffer)  # no disk cache: none of them
+        assert all(getattr(bare, name, None) is None for name in hot)
+    finally:
+        buffer.close()
+        kv.close()

@@ -41,6 +41,17 @@ class SizedLRU(Generic[V]):
         with self._lock:
             return key in self._items
 
+    def holds(self, keys: Sequence[Hashable]) -> list[bool]:
+        """Whether each of ``keys`` is cached (as ``in``; none made the most recently used): one hold of the lock
+        for them all.
+
+        >>> cache.holds(["a", "b"])
+        [True, False]
+        """
+        with self._lock:
+            items = self._items
+            return [key in items for key in keys]
+
     def get_or_load(self, key: Hashable, load: Callable[[], V]) -> V:
         """Cached value for ``key``, loading (outside the lock) on a miss.
 

@@ -246,6 +246,16 @@ class CachingStore:
             listing = self._listing_of(prefix + "/")
             return listing is not None and listing.complete and now - listing.started < self.staleness_s / 2
 
+    def lists_any(self) -> bool:
+        """Whether any listing is held: where none is (HTTP; arrays opened on a cold cache), :meth:`listed` is
+        False for every prefix, so a caller with many arrays of this store to ask about looks once, not once an
+        array (it says nothing of any prefix otherwise).
+
+        >>> kv.lists_any()   # False before any open found something kept to list
+        False
+        """
+        return bool(self._listings)
+
     def revalidate(self, keys: Collection[str]) -> dict[str, float]:
         """Start revalidating the generations of ``keys`` that are stale, without waiting (a listing or HEAD
         requests on the store's event loop, one per key at most however many reads ask): what a pipeline

@@ -274,8 +274,9 @@ class Coordinator:
         coordinator, which goes on planning, asks none itself, nor do the first opens wait for them."""
         flights, new = [], []
         with self._opening_lock:
-            for u in uris:
-                if "://" not in u or u.split("://", 1)[0].lower() not in REMOTE_SCHEMES or u in self._readers:
+            # those open already (every one, in most calls: tens of arrays each) found under one lock, not one each
+            for u, open_now in zip(uris, self._readers.holds(uris)):
+                if open_now or "://" not in u or u.split("://", 1)[0].lower() not in REMOTE_SCHEMES:
                     continue  # local files: opened by the batch that reads them (no round trip to overlap)
                 f = self._opening.get(u)
                 if f is None:
@@ -571,11 +572,10 @@ class Coordinator:
                 # batch, so that their reads wait for no revalidation
                 flights = self._start_opens(list({u: None for staged, _ in self._pulled for s, _, _ in staged
                                                   for u in s.uris}))
-                pulled = [[s for s, _, _ in staged] for staged in more]
-                revalidate_when_open(flights, pulled, self._readers.get, self.ahead.revalidated)
                 # and their shard indexes read, batch by batch, on the opener threads: a batch's planning then
                 # waits for no round trip of its own after the batches before it were planned
-                indexes_when_open(flights, pulled, self._readers.get, self._aside)
+                pulled = [[s for s, _, _ in staged] for staged in more]
+                revalidate_when_open(flights, pulled, self._readers.get_many, self.ahead.revalidated, self._aside)
         return self._pulled.popleft() if self._pulled else ([], None)
 
     def _launch(self, staged: list[Staged]) -> None:
@@ -845,28 +845,32 @@ def metadata_identity(uri: str) -> tuple | None:
 
 
 def revalidate_when_open(flights: list[tuple[str, concurrent.futures.Future]], pulled: list[list[Sample]],
-                         reader_of, asked: Revalidated | None = None) -> None:
+                         readers_of, asked: Revalidated | None = None, run=None) -> None:
     """Each batch of ``pulled`` (its samples) revalidated ahead (:func:`revalidate_ahead`) once the opens among
-    ``flights`` (``(uri, future)``) of its own arrays are done, never waiting. Not once every open of every
+    ``flights`` (``(uri, future)``) of its own arrays are done, never waiting; with ``run`` (a thread to run a
+    function on), its shard indexes read ahead then too (:func:`indexes_ahead`). Not once every open of every
     batch pulled is: eight batches pulled together open tens of arrays, a few at a time, and the first
     batches' HEADs then waited for the last open, while their reads came first and asked them themselves,
-    one call a batch's read. ``reader_of(uri)``: the open array, or None; ``asked``: what to skip (see
-    :class:`.prefetch.Revalidated`)."""
+    one call a batch's read. ``readers_of(uris)``: the open arrays, None for one not open, looked up together
+    once a batch for both (one hold of the open arrays' lock, not one a sample for each); ``asked``: what to
+    skip (see :class:`.prefetch.Revalidated`)."""
     by_uri = dict(flights)
     for samples in pulled:
-        opens = {id(f): f for f in (by_uri.get(u) for s in samples for u in s.uris) if f is not None}
-        when_all_done(list(opens.values()), lambda samples=samples: revalidate_ahead(samples, reader_of, asked),
-                      _dropped)
+        uris = list({u: None for s in samples for u in s.uris})
+        opens = {id(f): f for f in (by_uri.get(u) for u in uris) if f is not None}
+        when_all_done(list(opens.values()), lambda samples=samples, uris=uris: _ahead(samples, uris, readers_of,
+                                                                                     asked, run), _dropped)
 
 
-def indexes_when_open(flights: list[tuple[str, concurrent.futures.Future]], pulled: list[list[Sample]],
-                      reader_of, run) -> None:
-    """Each batch of ``pulled`` (its samples) has its shard indexes read ahead (:func:`indexes_ahead`, on the
-    thread ``run(fn)`` gives) once the opens among ``flights`` of its own arrays are done, never waiting."""
-    by_uri = dict(flights)
-    for samples in pulled:
-        opens = {id(f): f for f in (by_uri.get(u) for s in samples for u in s.uris) if f is not None}
-        when_all_done(list(opens.values()), lambda samples=samples: indexes_ahead(samples, reader_of, run), _dropped)
+def _ahead(samples: list[Sample], uris: list[str], readers_of, asked: Revalidated | None, run) -> None:
+    """A pulled batch's objects revalidated, and with ``run`` its shard indexes read, ahead (see
+    :func:`revalidate_when_open`)."""
+    known = dict(zip(uris, readers_of(uris)))
+    try:
+        revalidate_ahead(samples, known.get, asked)
+    finally:  # (the indexes read even where revalidating raised, a store closed: as when they were apart)
+        if run is not None:
+            indexes_ahead(samples, known.get, run)
 
 
 def _dropped(exc: BaseException) -> None:

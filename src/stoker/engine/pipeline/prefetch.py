@@ -321,7 +321,9 @@ def revalidate_ahead(samples: Sequence[Any], reader_of: Callable[[str], Any],
     """
     asks: dict[int, tuple[Any, dict]] = {}
     skip: dict[int, bool] = {}  # per reader: a current, complete listing holds it, so nothing to ask
-    # per store (many arrays share one): its revalidate, fresh_until and listed, looked up once a call
+    # per store (many arrays share one): its revalidate, fresh_until and listed, looked up once a call; listed
+    # None where the store holds no listing at all (lists_any: HTTP, or arrays opened on a cold cache, as a
+    # pipeline's second epoch after a first from an empty folder): it would say False of every array
     methods: dict[int, tuple[Any, Any, Any]] = {}
     n = 0
     now = time.monotonic()
@@ -336,16 +338,19 @@ def revalidate_ahead(samples: Sequence[Any], reader_of: Callable[[str], Any],
                 got = methods.get(id(reader.kv))
                 if got is None:
                     kv = reader.kv  # (a PrefetchStore reaches these through its __getattr__: once a call)
+                    lists_any = getattr(kv, "lists_any", None)
+                    listed_of = getattr(kv, "listed", None) if lists_any is None or lists_any() else None
                     got = methods[id(kv)] = (getattr(kv, "revalidate", None), getattr(kv, "fresh_until", None),
-                                             getattr(kv, "listed", None))
+                                             listed_of)
                 revalidate, fresh_until, listed_of = got
                 if revalidate is None:
                     continue
-                listed = skip.get(id(reader))
-                if listed is None:  # once a call and array (see listed_whole)
-                    listed = skip[id(reader)] = listed_of is not None and bool(listed_of(reader.path))
-                if listed:
-                    continue
+                if listed_of is not None:
+                    listed = skip.get(id(reader))
+                    if listed is None:  # once a call and array (see listed_whole)
+                        listed = skip[id(reader)] = bool(listed_of(reader.path))
+                    if listed:
+                        continue
                 meta = reader.metadata
                 chunks = asked.of(reader) if asked is not None else None
                 box = boxed = None
