@@ -348,6 +348,64 @@ def test_per_array_channel_statistics_on_a_batch_of_several_arrays_are_refused(t
                 pass
 
 
+def _push_fields(fields, transform):
+    cfg = stoker.Config(batch_size=2, dtype="f32", host_buffer_bytes=16 << 20, n_compute_threads=2,
+                        pop_timeout_s=20.0, device="cpu", transform=transform)
+    with stoker.Pipeline(cfg) as p:
+        p.push(stoker.TileGrid(fields, stride=(4, 8, 8)))
+        with p.pop() as batch:
+            return {k: torch.from_dlpack(v).double().numpy().copy() for k, v in batch.items()}
+
+
+def test_one_array_s_scalar_statistics_on_a_field_of_channels_are_refused(tmp_path):
+    """compute_stats of one array (a scalar mean and std) given to a field of three arrays stacked as channels
+    (t2m near 280, u10 near 0, msl near 101300) normalised every channel with t2m's numbers, silently: the
+    pipeline now refuses it, naming the field and its channels; shared=True does it on purpose, numpy's way."""
+    rng = np.random.default_rng(3)
+    datas = {n: rng.normal(m, s, size=(8, 8, 8)).astype(np.float32)
+             for n, m, s in (("t2m", 280, 5), ("u10", 0, 3), ("msl", 101300, 800))}
+    uris = [write(tmp_path / f"{n}.zarr", d, (4, 8, 8)) for n, d in datas.items()]
+    t2m = stoker.compute_stats(uris[0], cache=False, progress=False)
+    assert t2m.mean.dim() == 0 and t2m.ndim == 3
+    fields = {"x": stoker.Field(uris, (4, 8, 8)), "one": stoker.Field(uris[0], (4, 8, 8))}
+    with pytest.raises(InvalidArgument, match=r"field 'x' of the batch has shape \(2, 3, 4, 8, 8\): 3 channels.*"
+                                              r"channel_axis=k.*shared=True") as err:
+        _push_fields(fields, Normalize.from_stats(t2m, field="x"))
+    assert err.value.context.get("field") == "x" and err.value.context.get("channels") == 3
+    # the same statistics on the field of that one array (B, *box) are right, as numpy normalises it
+    got = _push_fields(fields, Normalize.from_stats(t2m, field="one"))
+    d = datas["t2m"].astype(np.float64)
+    np.testing.assert_allclose(got["one"][0], ((d - d.mean()) / d.std())[:4], atol=1e-5)
+    # on purpose: one mean and std for every channel
+    got = _push_fields(fields, Normalize.from_stats(t2m, field="x", shared=True))
+    np.testing.assert_allclose(got["x"][0], [((v[:4].astype(np.float64) - d.mean()) / d.std())
+                                             for v in datas.values()], rtol=1e-5, atol=1e-3)
+    # per-channel statistics of the field: every channel to mean 0, std 1 over the whole arrays, as numpy's
+    per = stoker.compute_stats({"x": fields["x"]}, cache=False, progress=False)["x"]
+    np.testing.assert_allclose(per.mean.numpy(), [v.astype(np.float64).mean() for v in datas.values()], rtol=1e-9)
+    got = _push_fields(fields, Normalize.from_stats(per, field="x"))
+    want = [(v[:4].astype(np.float64) - v.astype(np.float64).mean()) / v.astype(np.float64).std()
+            for v in datas.values()]
+    np.testing.assert_allclose(got["x"][0], want, atol=1e-4)
+    with pytest.raises(InvalidArgument, match="one per channel"):
+        Normalize.from_stats(per, shared=True)
+
+
+def test_one_array_s_scalar_statistics_on_an_array_with_a_channel_axis_are_refused(tmp_path):
+    """A 3-d array's scalar statistics on the crops of a 4-d array (a channel axis first) are refused too."""
+    rng = np.random.default_rng(4)
+    plain = write(tmp_path / "p.zarr", rng.normal(0, 1, size=(8, 8, 8)).astype(np.float32), (4, 8, 8))
+    chans = write(tmp_path / "c.zarr", rng.normal(0, 1, size=(3, 8, 8, 8)).astype(np.float32), (3, 4, 8, 8))
+    st = stoker.compute_stats(plain, cache=False, progress=False)
+    cfg = stoker.Config(batch_size=1, dtype="f32", host_buffer_bytes=16 << 20, n_compute_threads=2,
+                        pop_timeout_s=20.0, device="cpu", transform=Normalize.from_stats(st))
+    with pytest.raises(InvalidArgument, match=r"\(1, 3, 4, 8, 8\): 3 channels on axis 1"):
+        with stoker.Pipeline(cfg) as p:
+            p.push([stoker.Sample(chans, [(0, 3), (0, 4), (0, 8), (0, 8)])])
+            with p.pop():
+                pass
+
+
 def test_from_stats_passes_keywords_to_the_constructor(arrays):
     class Named(Normalize):  # a Normalize that takes one more keyword (as field= is for named fields)
         def __init__(self, mean, std, field=None):

@@ -97,7 +97,9 @@ def test_inspect_shows_dimensions_coordinates_and_cf(tmp_path, capsys):
     assert got["dimensions"] == ["time", "lat"]
     assert got["coordinates"]["time"] == {"length": 5, "first": "2000-03-01T06:00", "last": "2000-03-02T06:00",
                                           "dtype": "datetime64[ns]"}
-    assert got["cf"] == {"scale_factor": 0.5, "add_offset": 2.0, "missing": [-1.0]}
+    # xarray left the zarr fill_value 0 (not the _FillValue -1): a chunk not stored decodes to add_offset
+    assert zarr.open_array(str(tmp_path / "d.zarr" / "p"), mode="r").fill_value == 0
+    assert got["cf"] == {"scale_factor": 0.5, "add_offset": 2.0, "missing": [-1.0], "missing_chunk": 2.0}
     zarr.create_array(str(tmp_path / "plain.zarr"), shape=(4,), chunks=(4,), dtype="uint8")
     assert main(["inspect", str(tmp_path / "plain.zarr"), "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
@@ -282,3 +284,38 @@ def test_inspect_of_a_level_under_malformed_multiscales_says_so(tmp_path, capsys
 
     monkeypatch.setattr(cli_inspect, "level_scale", broken)
     assert cli_inspect.facts(f"{root}/1")["ome_level"]["error"].startswith("KeyError")
+
+
+@pytest.mark.parametrize("fill", ["xarray", "cf"])
+def test_inspect_notes_a_missing_chunk_that_decodes_to_a_value(tmp_path, capsys, fill):
+    """xarray writes a packed v3 variable with zarr fill_value 0 beside the CF _FillValue -32768: a chunk not
+    stored decodes to add_offset (280 K here), as xarray reads it, not NaN. inspect showed both values and left
+    the user to work it out; it says so in a note now (the value held to xarray's), and not where the missing
+    chunk decodes to NaN."""
+    import json
+    import shutil
+
+    xr = pytest.importorskip("xarray")
+    t = np.random.default_rng(2).normal(280, 3, (4, 6, 8)).astype("f4")
+    ds = xr.Dataset({"t2m": (("time", "lat", "lon"), t)})
+    encoding = {"dtype": "int16", "scale_factor": 0.01, "add_offset": 280.0, "_FillValue": -32768, "chunks": (2, 6, 8)}
+    path = tmp_path / "wx.zarr"
+    ds.to_zarr(str(path), zarr_format=3, consolidated=False, encoding={"t2m": encoding})
+    uri = str(path / "t2m")
+    if fill == "cf":  # the same array with the CF _FillValue as its zarr fill_value: a missing chunk is NaN
+        meta = json.loads((path / "t2m" / "zarr.json").read_text())
+        meta["fill_value"] = -32768
+        (path / "t2m" / "zarr.json").write_text(json.dumps(meta))
+    shutil.rmtree(path / "t2m" / "c" / "1")  # the second chunk along time: never written
+    gap = xr.open_zarr(str(path), consolidated=False).t2m.values[2:4]
+    assert main(["inspect", uri]) == 0
+    out = capsys.readouterr().out
+    assert main(["inspect", uri, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)["cf"]["missing_chunk"]
+    if fill == "cf":
+        assert np.isnan(gap).all() and got == "nan" and "\nnote " not in out
+        return
+    assert zarr.open_array(uri, mode="r").fill_value == 0 and (gap == 280.0).all()
+    assert got == float(gap[0, 0, 0])
+    assert ("note         a chunk not stored decodes to 280.0 (fill value 0 decoded), not NaN: the fill value is "
+            "none of the CF missing values [-32768]") in out

@@ -371,7 +371,9 @@ def _one_array(uri: str, region: Any, channel_axis: int | None, nonfinite: str, 
     try:
         # the statistics say the axis their channels lie on, from this call (a cached entry written before
         # FieldStats knew it does not say), counted from the end: it names the same axis of a batch of crops
-        where = (None, None) if axis is None else (axis - reader.ndim, reader.ndim)
+        # (scalar statistics say the array's axes too: Normalize.from_stats refuses a batch of another rank,
+        # several arrays' channels that one array's numbers would shift alike)
+        where = (None, reader.ndim) if axis is None else (axis - reader.ndim, reader.ndim)
         st = _from_entry(entry, channels)
         if st is not None:  # every rank holds rank 0's entry: all return here, or none
             _warn_if_rounded(reader, cf, storage_options, st)

@@ -187,7 +187,8 @@ def _named(arr, options: dict[str, Any] | None) -> dict[str, Any]:
     names = dimension_names(arr)
     code = coding(arr)
     cf = None if code is None else {"scale_factor": code.scale, "add_offset": code.offset,
-                                    "missing": [_plain(v) for v in code.fills]}
+                                    "missing": [_plain(v) for v in code.fills],
+                                    "missing_chunk": _plain(_missing_chunk(arr, code))}
     if names is None:
         return {"dimensions": None, "coordinates": {}, "cf": cf}
     found = coordinates(arr, options)
@@ -195,6 +196,13 @@ def _named(arr, options: dict[str, Any] | None) -> dict[str, Any]:
               {"length": len(c), "first": _label(c[0]), "last": _label(c[-1]), "dtype": str(c.dtype)}
               for name, c in found.items()}
     return {"dimensions": list(names), "coordinates": coords, "cf": cf}
+
+
+def _missing_chunk(arr, code) -> float:
+    """What an element of a chunk never written decodes to: the Zarr ``fill_value``, decoded as any stored
+    value is (xarray does the same). A ``fill_value`` other than the CF ``_FillValue`` (xarray's v3 writes
+    leave it 0) gives a real-looking number, ``add_offset`` for 0, not NaN."""
+    return float(code.decode(np.asarray([arr.fill_value], dtype=arr.dtype), np.float64)[0])
 
 
 def _label(value: Any) -> Any:
@@ -255,6 +263,13 @@ def describe(uri: str, sample_shape: tuple[int, ...] | None = None, options: dic
         parts = [f"{k}={cf[k]}" for k in ("scale_factor", "add_offset") if cf[k] is not None]
         parts += [f"missing values {cf['missing']} -> NaN"] if cf["missing"] else []
         lines.append(f"cf decoding  {', '.join(parts)} (as xarray; Config(cf=False): stored values)")
+        gap = cf["missing_chunk"]
+        if not (isinstance(gap, str) and gap == "nan"):  # a missing chunk reads as data, not as missing
+            why = f"the fill value is none of the CF missing values {cf['missing']}" if cf["missing"] else \
+                "no CF _FillValue is set"
+            lines.append(f"note         a chunk not stored decodes to {gap!r} (fill value {f['fill_value']} decoded), "
+                         f"not NaN: {why}; a chunk never written (or left out for holding only the fill value) "
+                         "reads as that value, as in xarray")
     crops = f.get("crops")
     if crops is not None:
         partial = crops["partial_decode_amplification"]

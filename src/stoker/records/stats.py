@@ -108,8 +108,9 @@ class FieldStats:
     names the same axis of an array and of a batch of its crops: the records' per-channel statistics (-1),
     or an array's with ``stoker.compute_stats(..., channel_axis=k)``. None where the channels are no axis of
     the data: scalar statistics, or one channel per array of a list (the batch's axis 1).
-    ``ndim``: the axes of the array that ``channel_axis`` counts in (None for records, whose shapes vary):
-    ``Normalize.from_stats`` checks a batch against it, as a batch of several arrays holds one more axis."""
+    ``ndim``: the axes of the array that ``channel_axis`` counts in, also given for an array's scalar
+    statistics (None for records, whose shapes vary, and for a list of arrays' channels): ``Normalize.from_stats``
+    checks a batch against it, as a batch of several arrays holds one more axis."""
 
     count: torch.Tensor
     mean: torch.Tensor

@@ -117,14 +117,17 @@ class Volume:
 
     ``align`` (per axis) adds a step anchors must also be multiples of (a mask's scale). ``bounds`` (per axis,
     half-open, reference voxels) restricts the anchors further (a region). ``pad`` (a mode of
-    :data:`~stoker.sampling.sample.PAD_MODES`): only the first field bounds the anchors, as a padded crop over
-    arrays is bounded (its box inside its arrays, or covering an axis shorter than it whole); the other fields'
-    boxes may reach past their arrays, filled while placing.
+    :data:`~stoker.sampling.sample.PAD_MODES`): on the padded axes (all, or those of ``pad_axes``) the first
+    field bounds the anchors as a padded crop over arrays is bounded (its box inside its arrays, or covering an
+    axis shorter than it whole); the other fields' boxes may reach past their arrays, filled while placing, but
+    each shares at least one voxel with its arrays (``overlap``; a padded TileGrid, whose tiles follow the first
+    field's, passes False). On the other axes every box lies inside its arrays, as without pad.
     """
 
     def __init__(self, fields: Mapping[str, Field], shapes: Mapping[str, tuple[int, ...]],
                  scales: Mapping[str, tuple[int, ...]], align: Sequence[int] | None = None, who: str = "RandomCrops",
-                 bounds: Sequence[tuple[int, int]] | None = None, pad: str | None = None) -> None:
+                 bounds: Sequence[tuple[int, int]] | None = None, pad: str | None = None,
+                 pad_axes: Sequence[int] | None = None, overlap: bool = True) -> None:
         self.pad = pad
         self.bounds = None if bounds is None else [tuple(int(v) for v in b) for b in bounds]
         self.fields = dict(fields)
@@ -147,32 +150,20 @@ class Volume:
                         f"{low + s} there", knob="offset", field=name)
         steps = [self.scales[n] for n in self.names] + ([tuple(align)] if align is not None else [])
         self.step = tuple(math.lcm(*(s[d] for s in steps)) for d in range(ndim))
-        # anchor a is valid iff 0 <= (a + o) / s and (a + o) / s + shape <= array shape, for every field
-        # (with pad, of the first field only; an axis shorter than its box: the anchors whose box covers it;
-        # without pad such an axis has no anchor: its high end lies below its low one)
-        bounding = self.names[:1] if pad is not None else self.names
-        lows, highs = {}, {}
-        for n in bounding:
-            f = self.fields[n]
-            ends = [(-o, s * (a - c) - o) for o, s, a, c in zip(f.offset, self.scales[n], self.shapes[n], f.shape)]
-            if pad is not None:
-                ends = [(min(e), max(e)) for e in ends]
-            lows[n], highs[n] = tuple(e[0] for e in ends), tuple(e[1] for e in ends)
+        #: the axes boxes may reach past their arrays on (all with pad, unless pad_axes names some; none without)
+        self.padded = tuple(d for d in range(ndim) if pad is not None and (pad_axes is None or d in pad_axes))
+        #: whether keeping every field overlapping its arrays (pad) left out anchors the first field allows
+        self.narrowed = False
         self.first, self.counts = [], []
         for d in range(ndim):
-            lo = max(lows[n][d] for n in bounding)
-            hi = min(highs[n][d] for n in bounding)
+            limits = self._limits(d, d in self.padded, overlap)
+            lo, hi = max(lim[1] for lim in limits), min(lim[2] for lim in limits)
             k0, k1 = -(-lo // self.step[d]), hi // self.step[d]
             if k1 < k0:
-                below = max(bounding, key=lambda n: lows[n][d])
-                above = min(bounding, key=lambda n: highs[n][d])
-                raise InvalidArgument(
-                    f"{who}: no anchor on axis {d} keeps every field's box inside its arrays (anchors on multiples "
-                    f"of {self.step[d]}): field {below!r} needs anchors >= {lo}, field {above!r} (arrays of shape "
-                    f"{self.shapes[above]}, box {self.fields[above].shape}, scale {self.scales[above]}) <= {hi}; "
-                    "make the boxes smaller or their offsets closer"
-                    + ("" if pad is not None else ", or pass pad= (boxes may then extend past the arrays, padded)"),
-                    field=above, axis=d)
+                raise self._no_anchor(who, d, limits, d in self.padded, pad_axes is not None)
+            if d in self.padded and overlap and len(limits) > 1:  # what the first field alone would allow
+                own = limits[0]
+                self.narrowed |= (k0, k1) != (-(-own[1] // self.step[d]), own[2] // self.step[d])
             if self.bounds is not None:  # a region: anchors in [start, stop) as well
                 start, stop = self.bounds[d]
                 k0, k1 = max(k0, -(-start // self.step[d])), min(k1, (stop - 1) // self.step[d])
@@ -183,6 +174,46 @@ class Volume:
                         f"{self.step[d]}; widen the region", knob="region", axis=d)
             self.first.append(k0)
             self.counts.append(k1 - k0 + 1)
+
+    def _limits(self, d: int, padded: bool, overlap: bool) -> list[tuple[str, int, int, str]]:
+        """Each bounding field's anchors on axis ``d``, ``(name, low, high, how)`` (both included). Anchor ``a``
+        puts field ``n``'s box at ``(a + o) / s``. Unpadded: every box inside its arrays. Padded: the first
+        box inside, or covering an axis shorter than it (as a padded crop over arrays), and, with ``overlap``,
+        every other box sharing at least one voxel with its arrays: a box wholly past them would hold
+        nothing but the pad (a forecast target past the last time step, filled with that step)."""
+        out = []
+        for i, n in enumerate(self.names):
+            f, s, a = self.fields[n], self.scales[n][d], self.shapes[n][d]
+            o, c = f.offset[d], f.shape[d]
+            if not padded:
+                out.append((n, -o, s * (a - c) - o, "inside"))
+            elif i == 0:
+                ends = (-o, s * (a - c) - o)
+                out.append((n, min(ends), max(ends), "inside" if c <= a else "covering"))
+            elif overlap:
+                out.append((n, s * (1 - c) - o, s * (a - 1) - o, "overlapping"))
+        return out
+
+    def _no_anchor(self, who: str, d: int, limits: list, padded: bool, chosen: bool) -> InvalidArgument:
+        """The error of an axis ``d`` on which no anchor satisfies every field (``limits``: see :meth:`_limits`)."""
+        below = max(limits, key=lambda lim: lim[1])
+        above = min(limits, key=lambda lim: lim[2])
+        name = above[0]
+        if padded:
+            fix = ("make the boxes smaller or their offsets closer: with pad a field's box may reach past its "
+                   "arrays, but not lie wholly outside them (it would hold nothing but the pad)")
+        elif self.pad is not None and chosen:
+            fix = (f"make the boxes smaller or their offsets closer, or add axis {d} to pad_axes (boxes may then "
+                   "extend past the arrays there, padded)")
+        else:
+            fix = "make the boxes smaller or their offsets closer" + \
+                ("" if self.pad is not None else ", or pass pad= (boxes may then extend past the arrays, padded)")
+        keeps = ("the first field's box inside its arrays (or covering them) and every other field's box "
+                 "overlapping its arrays") if padded else "every field's box inside its arrays"
+        return InvalidArgument(
+            f"{who}: no anchor on axis {d} keeps {keeps} (anchors on multiples of {self.step[d]}): field "
+            f"{below[0]!r} needs anchors >= {below[1]}, field {name!r} (arrays of shape {self.shapes[name]}, box "
+            f"{self.fields[name].shape}, scale {self.scales[name]}) <= {above[2]}; {fix}", field=name, axis=d)
 
     @property
     def n_anchors(self) -> int:
@@ -234,11 +265,12 @@ def _check_mask_extent(mask: Any, mask_shape: tuple[int, ...], mask_scale: tuple
 
 
 def open_volume(fields: Mapping[str, Field], mask: Any, storage_options: dict | None, stores: Any,
-                who: str, region: dict | None = None, pad: str | None = None) -> MaskedVolume:
+                who: str, region: dict | None = None, pad: str | None = None,
+                pad_axes: Sequence[int] | None = None, overlap: bool = True) -> MaskedVolume:
     """Open ``fields``' arrays (shapes; scales from the OME metadata where not given) in ``stores``, and with
     ``mask`` (a :class:`~stoker.sampling.mask.Mask`) find the anchors it lets through; InvalidArgument naming
-    the mask, the fraction and the best coverage found when none does. ``region`` and ``pad``: see
-    :func:`region_bounds` and :class:`Volume`."""
+    the mask, the fraction and the best coverage found when none does. ``region``, ``pad``, ``pad_axes`` and
+    ``overlap``: see :func:`region_bounds` and :class:`Volume`."""
     from ..reader.array import open_array
     from ..reader.coords import check_field_dimensions
     from ..reader.ome import level_scale
@@ -262,7 +294,8 @@ def open_volume(fields: Mapping[str, Field], mask: Any, storage_options: dict | 
     bounds = None if region is None else region_bounds(fields, shapes, scales, region, by_prefix, stores)
     if mask is None:
         check_field_dimensions(firsts, who, stores, by_prefix)
-        return MaskedVolume(Volume(fields, shapes, scales, who=who, bounds=bounds, pad=pad), None)
+        return MaskedVolume(Volume(fields, shapes, scales, who=who, bounds=bounds, pad=pad, pad_axes=pad_axes,
+                                   overlap=overlap), None)
     if not isinstance(mask, Mask):
         raise InvalidArgument(f"{who}: mask must be a stoker.Mask, got {type(mask).__name__}", knob="mask")
     if mask.field not in fields:
@@ -283,7 +316,8 @@ def open_volume(fields: Mapping[str, Field], mask: Any, storage_options: dict | 
                               f"{mask.field!r} has {ndim}", uri=mask.uri, knob="scale")
     check_alignment(mask, mask.field, fields[mask.field], scales[mask.field], mask_scale, who)
     _check_mask_extent(mask, reader.shape, mask_scale, shapes[mask.field], scales[mask.field], who)
-    volume = Volume(fields, shapes, scales, align=mask_scale, who=who, bounds=bounds, pad=pad)
+    volume = Volume(fields, shapes, scales, align=mask_scale, who=who, bounds=bounds, pad=pad, pad_axes=pad_axes,
+                    overlap=overlap)
     index, best = covering_anchors(volume, mask, mask_scale, reader)
     if not index.size:
         raise InvalidArgument(

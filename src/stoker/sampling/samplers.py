@@ -246,7 +246,17 @@ class RandomCrops(SampleSource):
     ``region`` over fields is read on the first field's first array and restricts where that field's box
     starts (in its voxels; anchors ``[i0 * scale - offset, i1 * scale - offset)``), combined exactly with a
     mask. ``pad`` over fields: only the first field bounds the anchors (as a padded crop over arrays); the
-    other fields' boxes may reach past their arrays, filled while placing (see :class:`~stoker.sampling.field.Volume`).
+    other fields' boxes may reach past their arrays, filled while placing, but each keeps at least one voxel
+    inside them (no sample holds a field of nothing but the pad; see :class:`~stoker.sampling.field.Volume`).
+
+    ``pad_axes`` (axis numbers, with ``pad``) names the axes boxes may be padded on; on the others every
+    field's box lies inside its arrays, as without ``pad`` (an array shorter than the crop there is refused).
+    A forecast pads lat/lon borders, never time: its inputs and targets are always real time steps.
+
+    >>> fc = stoker.RandomCrops({"input": stoker.Field(vars_, (2, 64, 128)),
+    ...                          "target": stoker.Field(vars_, (1, 64, 128), offset=(7, 0, 0)),
+    ...                          "context": stoker.Field(vars_, (2, 96, 160), offset=(0, -16, -16))},
+    ...                         pad="edge", pad_axes=(1, 2))
 
     >>> train = stoker.RandomCrops({"input": stoker.Field(vars_, (2, 64, 128)),
     ...                             "target": stoker.Field(vars_, (1, 64, 128), offset=(7, 0, 0))},
@@ -262,7 +272,7 @@ class RandomCrops(SampleSource):
     def __init__(self, arrays: Any, sample_shape: Sequence[int] | None = None, seed: int = 0,
                  samples_per_epoch: int | None = None, weights: Sequence[float] | None = None,
                  storage_options: dict | None = None, mask: Any = None, pad: str | None = None,
-                 region: dict | None = None) -> None:
+                 region: dict | None = None, pad_axes: Sequence[int] | None = None) -> None:
         self.pad = check_pad(pad, "RandomCrops")
         samples_per_epoch = _epoch_length(samples_per_epoch)  # before any array or mask is read
         seed = _seed(seed, "RandomCrops")
@@ -272,6 +282,7 @@ class RandomCrops(SampleSource):
                 raise InvalidArgument("RandomCrops over fields takes each field's shape in its Field, not "
                                       "sample_shape; leave sample_shape out", knob="sample_shape")
             self.region: dict | None = None if region is None else dict(region)
+            self.pad_axes = _pad_axes(self.pad, pad_axes, len(next(iter(volumes[0].values())).shape))
             self._init_fields(volumes, seed, samples_per_epoch, weights, storage_options, mask)
             return
         if mask is not None:
@@ -286,15 +297,21 @@ class RandomCrops(SampleSource):
         if not self.arrays:
             raise InvalidArgument("RandomCrops needs at least one array")
         self.sample_shape = integers("RandomCrops: sample_shape", sample_shape, 1, knob="sample_shape")
+        self.pad_axes = _pad_axes(self.pad, pad_axes, len(self.sample_shape))
         self.seed = int(seed)
         self.shapes = _entry_shapes(self.arrays, storage_options)
+        padded = range(len(self.sample_shape)) if self.pad_axes is None else self.pad_axes
         for uri, shape in zip(self.arrays, self.shapes):
             if len(shape) != len(self.sample_shape):
                 raise _rank_mismatch(uri, self.sample_shape, shape,
                                      " (a list of arrays as channels adds the channel axis itself)")
-            if self.pad is None and any(c > s for c, s in zip(self.sample_shape, shape)):
-                raise InvalidArgument(f"{uri}: shape {shape} cannot hold crops of {self.sample_shape} (pad= lets "
-                                      "them reach past it)", uri=uri)
+            short = [d for d, (c, n) in enumerate(zip(self.sample_shape, shape))
+                     if c > n and (self.pad is None or d not in padded)]
+            if short:
+                hint = "pad= lets them reach past it" if self.pad is None else \
+                    f"axis {short[0]} is not in pad_axes {self.pad_axes}: add it, or crop no longer than the array"
+                raise InvalidArgument(f"{uri}: shape {shape} cannot hold crops of {self.sample_shape} ({hint})",
+                                      uri=uri)
         self.region = None if region is None else dict(region)
         # per array and axis the first box start and how many there are (a region may restrict them; a padded
         # crop longer than its axis covers it, the axis anywhere inside it: first start below 0)
@@ -328,8 +345,8 @@ class RandomCrops(SampleSource):
         self.fields, self.masks, self.seed = volumes, masks, int(seed)
         stores = Stores()  # shared by every array: a consolidated group's metadata is read once, not per array
         try:
-            self.volumes = [open_volume(v, m, storage_options, stores, "RandomCrops", region=self.region, pad=self.pad)
-                            for v, m in zip(volumes, masks)]
+            self.volumes = [open_volume(v, m, storage_options, stores, "RandomCrops", region=self.region, pad=self.pad,
+                                        pad_axes=self.pad_axes) for v, m in zip(volumes, masks)]
         finally:
             stores.close()
         anchors = [len(mv.qualifying) if mv.qualifying is not None else mv.volume.n_anchors for mv in self.volumes]
@@ -405,10 +422,36 @@ class RandomCrops(SampleSource):
                                                                              for m in self.masks],
                     [None if mv.qualifying is None else _digest(mv.qualifying) for mv in self.volumes],
                     self.weights.round(12).tolist(), self.samples_per_epoch, self.seed] + region + \
-                ([] if self.pad is None else ["pad", self.pad])
+                ([] if self.pad is None else ["pad", self.pad]) + self._pad_axes_id() + \
+                (["overlapping"] if any(mv.volume.narrowed for mv in self.volumes) else [])
         region = [["region", self._lo.tolist(), self._limits.tolist()]] if self.region is not None else []
         return [self.arrays, self.shapes, self.sample_shape, self.weights.round(12).tolist(), self.samples_per_epoch,
-                self.seed] + region + ([] if self.pad is None else ["pad", self.pad])
+                self.seed] + region + ([] if self.pad is None else ["pad", self.pad]) + self._pad_axes_id()
+
+    def _pad_axes_id(self) -> list:
+        # pad_axes only when given, and a padded volume whose anchors keep every field overlapping its arrays
+        # (fewer than the first field allows: other samples than before that rule) marked: sources without
+        # either keep their fingerprints
+        return [] if self.pad_axes is None else ["pad_axes", list(self.pad_axes)]
+
+
+def _pad_axes(pad: str | None, pad_axes: Any, ndim: int) -> tuple[int, ...] | None:
+    """``pad_axes`` checked: None (every axis may be padded), or axis numbers (negative from the end) in
+    ``[-ndim, ndim)``, sorted; InvalidArgument without ``pad`` (it would mean nothing) or for another value."""
+    if pad_axes is None:
+        return None
+    if pad is None:
+        raise InvalidArgument("RandomCrops: pad_axes names the axes boxes may be padded on, and needs pad= (the "
+                              "mode that fills them): pass pad=, or leave pad_axes out", knob="pad_axes")
+    if isinstance(pad_axes, (int, np.integer)) and not isinstance(pad_axes, bool):
+        pad_axes = (pad_axes,)
+    ok = isinstance(pad_axes, (list, tuple)) and all(
+        isinstance(a, (int, np.integer)) and not isinstance(a, bool) and -ndim <= a < ndim for a in pad_axes)
+    axes = sorted({int(a) % ndim for a in pad_axes}) if ok else []
+    if not ok or len(axes) != len(pad_axes):
+        raise InvalidArgument(f"RandomCrops: pad_axes must be distinct axis numbers in [-{ndim}, {ndim}) (the "
+                              f"samples have {ndim} axes), got {pad_axes!r}", knob="pad_axes")
+    return tuple(axes)
 
 
 def _anchors(src: RandomCrops, region: dict | None, storage_options: dict | None) -> tuple[np.ndarray, np.ndarray, list]:
@@ -623,7 +666,10 @@ class TileGrid(SampleSource):
         self.fields, self.shuffle, self.seed = volumes, bool(shuffle), int(seed)
         stores = Stores()
         try:
-            self.volumes = [open_volume(v, None, storage_options, stores, "TileGrid", pad=self.pad) for v in volumes]
+            # overlap=False: a padded grid's tiles follow its first field's (their centres tile its arrays), and its
+            # border tiles partly outside are by design
+            self.volumes = [open_volume(v, None, storage_options, stores, "TileGrid", pad=self.pad, overlap=False)
+                            for v in volumes]
         finally:
             stores.close()
         first = self.volumes[0].volume

@@ -8,6 +8,7 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..errors import InvalidArgument
@@ -89,7 +90,7 @@ class Normalize:
         self._cache: dict[tuple, tuple[torch.Tensor, ...]] = {}
 
     @classmethod
-    def from_stats(cls, stats: Any, **kwargs: Any) -> "Normalize":
+    def from_stats(cls, stats: Any, shared: bool = False, **kwargs: Any) -> "Normalize":
         """From statistics with ``mean`` and ``std`` per channel: a ``FieldStats``, one field of what
         :func:`stoker.records.compute_stats` returns (channels last: ``axis=-1``), or what
         :func:`stoker.compute_stats` returns for an array (scalar, or per index of its ``channel_axis``: that
@@ -100,7 +101,10 @@ class Normalize:
 
         Statistics along an axis of one array fit the ``(B, *box)`` batches of its crops: a batch with
         another number of axes (a sample of several arrays, ``(B, A, *box)``, which they would normalise
-        all alike with one array's numbers) is an InvalidArgument unless ``axis=`` is given.
+        all alike with one array's numbers) is an InvalidArgument unless ``axis=`` is given. Scalar statistics
+        of one array likewise fit the batches of its crops only: a batch of another number of axes (a field of
+        several arrays stacked as channels, or an array with a channel axis) is an InvalidArgument naming the
+        field and its channels, unless ``shared=True`` (one mean and std for every channel, on purpose).
 
         >>> norm = Normalize.from_stats(stoker.compute_stats([["/d/c0.zarr", "/d/c1.zarr"]])[0])
         >>> norm = Normalize.from_stats(stoker.compute_stats("/d/rgb.zarr", channel_axis=-1))  # (B, Y, X, 3)
@@ -109,12 +113,19 @@ class Normalize:
             raise InvalidArgument(f"Normalize.from_stats takes an object with mean and std (a FieldStats of "
                                   f"compute_stats' result, one field), got {type(stats).__name__}")
         std = _per_channel("std", stats.std)
+        if not isinstance(shared, (bool, np.bool_)):
+            raise InvalidArgument(f"Normalize.from_stats: shared must be True or False, got {shared!r}", knob="shared")
+        scalar = std.dim() == 0 and _per_channel("mean", stats.mean).dim() == 0
+        if shared and not scalar:
+            raise InvalidArgument(f"Normalize.from_stats(shared=True) shares one mean and std among every channel, "
+                                  f"but these statistics have one per channel ({std.numel()}); leave shared out",
+                                  knob="shared")
         along = getattr(stats, "channel_axis", None)
         checked = along is not None and "axis" not in kwargs  # an axis given by hand is the caller's choice
         if checked:  # only then: a subclass whose constructor takes no axis still works for the rest
             kwargs["axis"] = along
         norm = cls(stats.mean, torch.where(std > 0, std, torch.ones_like(std)), **kwargs)
-        if checked:
+        if checked or (scalar and not shared):  # scalar: checked against the batch at the first call
             norm._array_ndim = getattr(stats, "ndim", None)
         return norm
 
@@ -144,6 +155,8 @@ class Normalize:
         c = self.channels
         if c is not None:
             self._check_channels(x, c, where)
+        elif self._array_ndim is not None:
+            self._check_one_array(x, self._array_ndim, where)
         if x.dtype not in _HALF:
             mean, std = self._scale(x, x.dtype)
             x.sub_(mean).div_(std)
@@ -162,6 +175,25 @@ class Normalize:
                     "'bf16' or 'f32' for it", knob="transform")
         x.copy_(y)
         return batch
+
+    def _check_one_array(self, x: torch.Tensor, n: int, where: str) -> None:
+        """A typed error unless ``x`` is a batch of crops of an array of ``n`` axes (or of a list of one such
+        array), which scalar statistics of one array of ``n`` axes fit: another batch has channels (several
+        arrays stacked, or a channel axis of another array) that one array's mean and std would all shift
+        alike, silently."""
+        if x.dim() == n + 1 or (x.dim() == n + 2 and x.shape[1] == 1):
+            return
+        channels = (f"{x.shape[1]} channels on axis 1 (several arrays stacked as channels, or an array with a "
+                    "channel axis)" if x.dim() == n + 2 else
+                    f"{x.dim() - 1} axes per sample (an array of another rank, or with channel axes)")
+        raise InvalidArgument(
+            f"Normalize.from_stats has one mean and std ({self.mean.item():.6g}, {self.std.item():.6g}) of one array "
+            f"of {n} axes, which fit a batch of its crops, (B, *box) with {n + 1} axes; {where}the batch has shape "
+            f"{tuple(x.shape)}: {channels}, which would all be normalised with that one array's statistics. Give "
+            "statistics per channel: stoker.compute_stats of the field (or of its arrays as a list, [[a, b, ...]]: "
+            "one mean and std per array), or compute_stats(uri, channel_axis=k) for an array with a channel axis; "
+            "or pass shared=True to from_stats to normalise every channel alike on purpose",
+            knob="transform", field=self.field, channels=x.shape[1] if x.dim() == n + 2 else None)
 
     def _check_channels(self, x: torch.Tensor, c: int, where: str) -> None:
         """A typed error unless ``x`` holds ``c`` channels on ``self.axis`` (and, from one array's statistics,

@@ -1,0 +1,141 @@
+"""``pad=`` over fields with ``pad_axes=`` (a forecaster's time axis never padded, lat/lon padded) and the rule
+that, padded, no field's box lies wholly outside its arrays (a target past the last time step was the last step,
+edge-padded). Anchors held to a brute-force count; batches read through a Pipeline held to ``numpy.pad`` of a
+zarr-python read."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+import stoker
+from stoker.errors import InvalidArgument
+
+from batch_oracle import padded as _reference  # numpy.pad of the whole array, cut to the box
+
+pytestmark = pytest.mark.timeout(180)
+
+T, Y, X = 50, 9, 11  # (time, lat, lon)
+
+
+@pytest.fixture(scope="module")
+def wx(tmp_path_factory):
+    root = tmp_path_factory.mktemp("padaxes")
+    data = np.random.default_rng(4).normal(280, 5, (T, Y, X)).astype("f4")
+    uri = str(root / "t2m.zarr")
+    zarr.create_array(uri, shape=data.shape, chunks=(7, 4, 5), dtype="f4", fill_value=-1.0)[:] = data
+    return uri, zarr.open_array(uri, mode="r")[...]
+
+
+def _fields(uri, lead=7, target=3):
+    """Two input steps, a target of ``target`` steps ``lead`` after the first, and a wider lat/lon context."""
+    return {"x": stoker.Field(uri, (2, 5, 6)),
+            "y": stoker.Field(uri, (target, 5, 6), offset=(lead, 0, 0)),
+            "ctx": stoker.Field(uri, (2, 9, 10), offset=(0, -2, -2))}
+
+
+def _anchors(src):
+    """The anchors ``src`` may draw (its lattice), after checking that those it drew are among them."""
+    vol = src.volumes[0].volume
+    lattice = {vol.anchor(k) for k in np.ndindex(*vol.counts)}
+    assert {tuple(a for a, _ in s["x"].aabb) for s in (src.sample(0, i) for i in range(len(src)))} <= lattice
+    return lattice
+
+
+def _overlaps(box, shape):
+    return all(a < n and b > 0 for (a, b), n in zip(box, shape))
+
+
+def test_pad_axes_keeps_every_field_inside_on_the_other_axes(wx):
+    uri, data = wx
+    src = stoker.RandomCrops(_fields(uri), seed=5, samples_per_epoch=400, pad="edge", pad_axes=(1, 2))
+    # brute force: x inside its array on every axis (it bounds the padded axes), every field inside on time
+    want = {(t, y, x) for t in range(T) for y in range(Y) for x in range(X)
+            if t + 2 <= T and t + 7 + 3 <= T and y + 5 <= Y and x + 6 <= X}
+    assert _anchors(src) == want
+    samples = [src.sample(0, i) for i in range(len(src))]
+    for s in samples:
+        for name in ("x", "y", "ctx"):
+            (t0, t1), *_ = s[name].aabb
+            assert 0 <= t0 and t1 <= T, (name, s[name].aabb)  # forecast steps are real steps
+    assert any(s["ctx"].aabb[1][0] < 0 for s in samples)  # the context is padded on lat/lon
+    # read through a pipeline: numpy.pad (edge) of the zarr-python read
+    cfg = stoker.Config(batch_size=8, dtype="native", device="cpu", n_compute_threads=2, pop_timeout_s=30.0)
+    with stoker.Pipeline(cfg) as p:
+        p.push(samples[:48])
+        for batch in p:
+            got = {k: torch.from_dlpack(v).clone().numpy() for k, v in batch.items()}
+            for r, s in enumerate(batch.samples):
+                for name, t in got.items():
+                    assert np.array_equal(t[r], _reference(data, s[name].aabb, "edge", None)), (name, s[name].aabb)
+    again = stoker.RandomCrops(_fields(uri), seed=5, samples_per_epoch=400, pad="edge", pad_axes=[-2, -1])
+    assert again.fingerprint == src.fingerprint and [again.sample(0, i) for i in range(50)] == samples[:50]
+    assert stoker.RandomCrops(_fields(uri), seed=5, samples_per_epoch=400, pad="edge").fingerprint != \
+        src.fingerprint
+
+
+def test_padded_fields_never_lie_wholly_outside_their_arrays(wx):
+    uri, _ = wx
+    fields = _fields(uri)
+    src = stoker.RandomCrops(fields, seed=0, samples_per_epoch=300, pad="edge")
+    vol = src.volumes[0].volume
+    # x bounds the anchors (inside), every other field overlaps its array by at least one voxel on every axis
+    want = {(t, y, x) for t in range(T) for y in range(Y) for x in range(X)
+            if t + 2 <= T and y + 5 <= Y and x + 6 <= X and t + 7 < T}
+    assert _anchors(src) == want and vol.narrowed
+    for s in (src.sample(0, i) for i in range(len(src))):
+        assert all(_overlaps(s[n].aabb, (T, Y, X)) for n in fields), s
+    # the trial's case: a target of one step, 7 after the input; none past the 50 steps
+    one = stoker.RandomCrops(_fields(uri, target=1), seed=0, samples_per_epoch=200, pad="edge")
+    assert max(one.sample(0, i)["y"].aabb[0][0] for i in range(200)) <= T - 1
+    # the rule applies to mask sampling too (drawn among the mask's qualifying anchors)
+    m = str(wx[0]) + ".mask.zarr"
+    zarr.create_array(m, shape=(T, Y, X), chunks=(10, 9, 11), dtype="u1", overwrite=True)[:] = 1
+    masked = stoker.RandomCrops(fields, seed=0, samples_per_epoch=500, pad="zero",
+                                mask=stoker.Mask(m, 0.5, field="x", scale=1))
+    assert len(masked.volumes[0].qualifying) == len(want)
+    assert all(_overlaps(masked.sample(0, i)[n].aabb, (T, Y, X)) for i in range(500) for n in fields)
+    # a field that could only lie outside is refused, saying so
+    with pytest.raises(InvalidArgument, match="overlapping its arrays.*wholly outside"):
+        stoker.RandomCrops(_fields(uri, lead=60), pad="edge")
+
+
+def test_fingerprints_mark_only_the_sources_whose_anchors_narrowed(wx):
+    uri, _ = wx
+    # the context only reaches past lat/lon borders: nothing narrowed, the identity as before pad_axes
+    near = {"x": stoker.Field(uri, (2, 5, 6)), "ctx": stoker.Field(uri, (2, 9, 10), offset=(0, -2, -2))}
+    src = stoker.RandomCrops(near, seed=1, samples_per_epoch=10, pad="zero")
+    assert not src.volumes[0].volume.narrowed and "overlapping" not in src.identity()
+    far = stoker.RandomCrops(_fields(uri), seed=1, samples_per_epoch=10, pad="zero")
+    assert far.identity()[-1] == "overlapping"
+
+
+def test_pad_axes_arguments(wx, tmp_path):
+    uri, data = wx
+    with pytest.raises(InvalidArgument, match="needs pad="):
+        stoker.RandomCrops(_fields(uri), pad_axes=(1, 2))
+    for bad in ((1, 1), (3,), ("lat",), (True,)):
+        with pytest.raises(InvalidArgument, match="pad_axes must be distinct axis numbers"):
+            stoker.RandomCrops(_fields(uri), pad="zero", pad_axes=bad)
+    # an unpadded axis on which no anchor keeps every box inside says to add it to pad_axes
+    with pytest.raises(InvalidArgument, match="add axis 1 to pad_axes"):
+        stoker.RandomCrops({"x": stoker.Field(uri, (2, 12, 6))}, pad="zero", pad_axes=(2,))
+    # arrays: a crop longer than the array only on a padded axis
+    crops = stoker.RandomCrops([uri], (4, 12, 6), seed=0, samples_per_epoch=50, pad="reflect", pad_axes=(1,))
+    for s in crops:
+        (t0, t1), (y0, y1), (x0, x1) = s.aabb
+        assert 0 <= t0 and t1 <= T and 0 <= x0 and x1 <= X and -3 <= y0 <= 0 and y1 == y0 + 12
+    assert crops.identity()[-2:] == ["pad_axes", [1]]
+    with pytest.raises(InvalidArgument, match="axis 1 is not in pad_axes"):
+        stoker.RandomCrops([uri], (4, 12, 6), pad="reflect", pad_axes=(2,))
+
+
+def test_padded_tile_grid_keeps_its_border_tiles(wx):
+    """A padded TileGrid's tiles follow the first field's (their centres tile its arrays): a target past the
+    last step at the last tiles is by design there, not narrowed away."""
+    uri, _ = wx
+    grid = stoker.TileGrid(_fields(uri), stride=(2, 5, 6), pad="edge")
+    assert len(grid) == 25 * 2 * 2
+    assert max(s["y"].aabb[0][0] for s in grid) == 48 + 7
