@@ -275,3 +275,46 @@ def test_a_flip_beside_large_attributes_is_found_and_own_centre_is_left_out():
     assert find_geometric([RandomTranspose(about="own_centre"), flip]) == [flip]
     with pytest.raises(stoker.InvalidArgument, match="about must be one of"):
         RandomFlip(about="centre")
+
+
+class _Cases(stoker.SampleSource):
+    """A user's own source whose plain data is an attribute named ``volumes`` (as RandomCrops' is)."""
+
+    def __init__(self, volumes, start, n=8):
+        self.volumes, self.start, self.n = volumes, start, n
+
+    def __len__(self):
+        return self.n
+
+    def sample(self, epoch, index):
+        raw, labels = self.volumes[0] if self.volumes else self.fallback
+        a = index % 8
+        b = a + self.start
+        return stoker.Sample({"raw": (raw, [(a, a + 16)] * 3), "labels": (labels, [(b, b + 8)] * 3)})
+
+
+class _Offset(stoker.RandomCrops):
+    """A RandomCrops whose samples are its own: its labels boxes moved to the raw box's corner."""
+
+    def sample(self, epoch, index):
+        s = super().sample(epoch, index)
+        raw = s.fields["raw"].aabb
+        return stoker.Sample({"raw": (s.fields["raw"].uri, raw),
+                              "labels": (s.fields["labels"].uri, [(a, a + 8) for a, _ in raw])})
+
+
+def test_only_stokers_own_field_sources_are_checked_whole_at_push(vol):
+    """A source of one's own with a ``volumes`` attribute is checked sample by sample: centred ones pass (no
+    AttributeError at push), an empty list checks nothing whole (corner labels refused); a RandomCrops subclass
+    making samples of its own is checked sample by sample too."""
+    pair = [[vol["raw"], vol["labels"]]]
+    for fields, _, _ in _batches(_cfg([RandomFlip(seed=1)]), _Cases(pair, 4).for_rank(0, 1), 1):
+        np.testing.assert_array_equal(fields["labels"], fields["raw"][:, 4:12, 4:12, 4:12])
+    empty = _Cases([], 0)
+    empty.fallback = pair[0]
+    with pytest.raises(stoker.InvalidArgument, match="other centres"):
+        _batches(_cfg([RandomFlip(seed=1)]), empty.for_rank(0, 1), 1)
+    fields = {"raw": stoker.Field(vol["raw"], (16, 16, 16)),
+              "labels": stoker.Field(vol["labels"], (8, 8, 8), offset=(4, 4, 4))}
+    with pytest.raises(stoker.InvalidArgument, match="other centres"):
+        _batches(_cfg([RandomFlip(seed=1)]), _Offset(fields, seed=0, samples_per_epoch=8).for_rank(0, 1), 1)

@@ -21,9 +21,20 @@ from typing import Any
 from ...config import Config
 from ...reader.ome import level_scale, physical_spacing
 from ...sampling.sample import Sample
+from ...sampling.samplers import RandomCrops, TileGrid
 from ...storage.locate import options_for
 from ...transforms.augment import RandomTranspose
 from ...transforms.layout import FieldBox, check_layout, find_geometric
+
+
+def _own_fields(source: Any) -> bool:
+    """Whether ``source`` is stoker's RandomCrops or TileGrid over Fields whose samples come from its volumes
+    (a subclass overriding ``sample`` makes samples of its own: checked one by one; a source of one's own with
+    an attribute ``volumes`` is no such source)."""
+    for base in (RandomCrops, TileGrid):
+        if isinstance(source, base) and type(source).sample is base.sample:
+            return isinstance(source.volumes, list) and len(source.volumes) > 0
+    return False
 
 
 class LayoutGuard:
@@ -40,11 +51,13 @@ class LayoutGuard:
     def pushed(self, it: Any) -> bool:
         """Check a pushed iterator's source when it is made of Field volumes; whether it was (its samples then
         need no look of their own)."""
-        share = getattr(it, "src", it)
-        volumes = getattr(getattr(share, "source", None), "volumes", None)
-        if not self.transforms or not isinstance(volumes, list):
-            return not self.transforms
-        who = type(share.source).__name__
+        if not self.transforms:
+            return True
+        source = getattr(getattr(it, "src", it), "source", None)
+        if not _own_fields(source):
+            return False  # each sample is checked as it comes
+        volumes = source.volumes
+        who = type(source).__name__
         for i, mv in enumerate(volumes):
             vol = mv.volume
             layout = {}
