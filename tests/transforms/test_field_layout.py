@@ -318,3 +318,41 @@ def test_only_stokers_own_field_sources_are_checked_whole_at_push(vol):
               "labels": stoker.Field(vol["labels"], (8, 8, 8), offset=(4, 4, 4))}
     with pytest.raises(stoker.InvalidArgument, match="other centres"):
         _batches(_cfg([RandomFlip(seed=1)]), _Offset(fields, seed=0, samples_per_epoch=8).for_rank(0, 1), 1)
+
+
+class _AttrDict(dict):
+    """A common config idiom: every attribute is a key (KeyError for any other)."""
+
+    __getattr__ = dict.__getitem__
+
+
+class _Jitter(Keyed):
+    def __init__(self, params):
+        self.params = params
+
+    def __call__(self, batch, keys):
+        return batch
+
+
+class _Raising:
+    """An object that raises on every attribute."""
+
+    def __getattribute__(self, name):
+        raise RuntimeError(name)
+
+
+class _Slots:
+    __slots__ = ("flip", "unset")
+
+    def __init__(self, flip):
+        self.flip = flip
+
+
+def test_the_finder_runs_no_attribute_hooks_and_never_raises(vol):
+    """A transform holding an AttrDict (whose __getattr__ raises KeyError) makes a pipeline as before; objects
+    raising on any attribute are stepped over, a flip in a slot beside them is still found."""
+    from stoker.transforms.layout import find_geometric
+
+    stoker.Pipeline(_cfg([_Jitter(_AttrDict(sigma=0.1))])).close()
+    flip = RandomFlip()
+    assert find_geometric([_Jitter(_AttrDict(sigma=0.1)), _Raising(), _Slots(flip)]) == [flip]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import inspect
 import itertools
 import types
 from collections.abc import Iterable, Mapping
@@ -57,19 +58,32 @@ def find_geometric(transform: Any) -> list[Any]:
     closure or a ``functools.partial``, a few levels deep)."""
     found: list[Any] = []
     seen: set[int] = set()
-    queue = collections.deque([(transform, 0)] if not isinstance(transform, _LEAVES) else [])  # breadth first: what a wrapper holds itself is found first
+    queue = collections.deque([(transform, 0)] if not issubclass(type(transform), _LEAVES) else [])  # breadth first: what a wrapper holds itself is found first
     while queue and len(seen) < _OBJECTS:
         obj, depth = queue.popleft()
         if id(obj) in seen:
             continue
         seen.add(id(obj))
-        if callable(getattr(obj, "check_layout", None)) and hasattr(obj, "about"):
-            if obj.about != "own_centre":
-                found.append(obj)
-        elif depth < _DEPTH:
-            queue.extend((item, depth + 1) for item in itertools.islice(_parts(obj), _ITEMS)
-                         if not isinstance(item, _LEAVES))
+        try:  # a user's object may answer any attribute (a dict with __getattr__) or raise on any: skipped
+            about = _geometric(obj)
+            if about is not None:
+                if about != "own_centre":
+                    found.append(obj)
+            elif depth < _DEPTH:
+                queue.extend((item, depth + 1) for item in itertools.islice(_parts(obj), _ITEMS)
+                             if not issubclass(type(item), _LEAVES))
+        except Exception:  # noqa: BLE001 - what cannot be walked holds nothing found
+            continue
     return found
+
+
+def _geometric(obj: Any) -> Any:
+    """``obj.about`` when ``obj`` is a flip or transpose to check (its class defines ``check_layout``, it has
+    an ``about``), else None; looked up without running a ``__getattr__`` of the object's own."""
+    if not callable(inspect.getattr_static(obj, "check_layout", None)):
+        return None
+    about = inspect.getattr_static(obj, "about", None)
+    return obj.about if isinstance(about, property) else about
 
 
 def _parts(obj: Any) -> Iterable[Any]:
@@ -87,9 +101,18 @@ def _parts(obj: Any) -> Iterable[Any]:
         return [c.cell_contents for c in obj.__closure__ or () if _filled(c)]
     if type(obj).__module__.split(".")[0] in ("torch", "numpy", "builtins"):
         return []
-    parts = list(getattr(obj, "__dict__", {}).values())
-    parts += [getattr(obj, s, None) for s in getattr(type(obj), "__slots__", ()) if isinstance(s, str)]
+    # object's own lookup: no __getattr__ or __getattribute__ of the object's class runs
+    own = _slot(obj, "__dict__")  # None for an object of slots only
+    parts = list(own.values()) if isinstance(own, dict) else []
+    parts += [_slot(obj, s) for s in getattr(type(obj), "__slots__", ()) if isinstance(s, str)]
     return parts
+
+
+def _slot(obj: Any, name: str) -> Any:
+    try:
+        return object.__getattribute__(obj, name)
+    except AttributeError:  # a slot not yet assigned
+        return None
 
 
 def _filled(cell: Any) -> bool:
