@@ -356,3 +356,20 @@ def test_the_finder_runs_no_attribute_hooks_and_never_raises(vol):
     stoker.Pipeline(_cfg([_Jitter(_AttrDict(sigma=0.1))])).close()
     flip = RandomFlip()
     assert find_geometric([_Jitter(_AttrDict(sigma=0.1)), _Raising(), _Slots(flip)]) == [flip]
+
+
+def test_a_sample_is_not_passed_for_an_earlier_one_of_fewer_axes_first(vol, tmp_path):
+    """The memo of checked layouts keys every axis of every field: a 2-D field listed first, then raw and
+    labels centred (passes), then the labels off-centre on z only (a key cut to the first field's two axes
+    would be the same): refused, as on a fresh pipeline."""
+    plane = str(tmp_path / "plane.zarr")
+    zarr.create_array(plane, shape=(32, 32), chunks=(8, 8), dtype="float32")[...] = vol["data"][0]
+
+    def sample(z):
+        return stoker.Sample({"slice": (plane, [(4, 12)] * 2), "raw": (vol["raw"], [(0, 16)] * 3),
+                              "labels": (vol["labels"], [(z, z + 8), (4, 12), (4, 12)])})
+
+    with stoker.Pipeline(_cfg([RandomFlip()], batch_size=1)) as p:
+        p.push([sample(4)])
+        with pytest.raises(stoker.InvalidArgument, match=re.escape("other centres on axes (-3,)")):
+            p.push([sample(0)])

@@ -82,18 +82,21 @@ class LayoutGuard:
             return
         if len(s.fields) == 1 and not self.spacing:
             return  # one field: nothing to move apart
-        # the key: each field's array and centre relative to the first field's (a few microseconds a sample:
-        # samples alike, boxes moved together, hit the same key)
-        key, first = [], None
+        # the key: each field's array, rank and centre on every axis relative to the fields' centre on that axis
+        # (trailing axes aligned: the first field that has the axis gives it), exact (a few microseconds a
+        # sample: samples alike, boxes moved together, hit the same key)
+        centres = []
         for f in s.fields.values():
             box = f.aabb or ()
             scale = self._scales.get(f.uri)
             if scale is None or len(scale) != len(box):
                 scale = self._frame(f.uri, len(box))[0]
-            centre2 = tuple(map(mul, scale, map(sum, box)))
-            first = first or centre2
-            key.append((f.uri, tuple(map(sub, centre2[::-1], first[::-1]))))
-        if tuple(key) in self._passed:
+            centres.append((f.uri, tuple(map(mul, scale, map(sum, box)))[::-1]))  # trailing axes first
+        origin: list[int] = []
+        for _, c in centres:
+            origin += c[len(origin):]
+        key = tuple((uri, len(c), tuple(map(sub, c, origin))) for uri, c in centres)
+        if key in self._passed:
             return
         layout = {}
         for name, f in s.fields.items():
@@ -101,7 +104,7 @@ class LayoutGuard:
             scale, spacing = self._frame(f.uri, len(box))
             layout[name] = FieldBox(tuple(k * (a + b) for k, (a, b) in zip(scale, box)), spacing)
         check_layout(self.transforms, layout, f"sample {s!r}")
-        self._passed.add(tuple(key))
+        self._passed.add(key)
 
     def _frame(self, uri: str, ndim: int) -> tuple[tuple[int, ...], tuple[float, ...]]:
         """``uri``'s scale (reference voxels per voxel: its OME-Zarr level's, else 1) and voxel spacing (its
