@@ -373,3 +373,22 @@ def test_a_sample_is_not_passed_for_an_earlier_one_of_fewer_axes_first(vol, tmp_
         p.push([sample(4)])
         with pytest.raises(stoker.InvalidArgument, match=re.escape("other centres on axes (-3,)")):
             p.push([sample(0)])
+
+
+def test_an_os_error_of_the_metadata_reads_is_a_storage_error(vol, monkeypatch):
+    """A store's OSError while the check reads an array's OME-Zarr metadata reaches pop as a StorageError
+    naming the array, as the reading path's own errors do."""
+    from stoker.engine.pipeline import geometry
+
+    real = geometry.level_scale
+
+    def flaky(uri, *args):
+        if uri == vol["labels"]:
+            raise OSError(5, "simulated I/O error")
+        return real(uri, *args)
+
+    monkeypatch.setattr(geometry, "level_scale", flaky)
+    with stoker.Pipeline(_cfg([RandomFlip()], batch_size=4)) as p:
+        p.push(iter(_plain(vol, 4)))
+        with pytest.raises(stoker.StorageError, match="labels.zarr: reading the OME-Zarr metadata"):
+            p.pop()

@@ -16,15 +16,28 @@ lookup each. A pipeline without such transforms checks nothing.
 from __future__ import annotations
 
 from operator import mul, sub
-from typing import Any
+from typing import Any, Callable
 
 from ...config import Config
+from ...errors import StokerError, StorageError
 from ...reader.ome import level_scale, physical_spacing
 from ...sampling.sample import Sample
 from ...sampling.samplers import RandomCrops, TileGrid
 from ...storage.locate import options_for
 from ...transforms.augment import RandomTranspose
 from ...transforms.layout import FieldBox, check_layout, find_geometric
+
+
+def _read(what: Callable[..., Any], uri: str, options: Any) -> Any:
+    """``what(uri, options)``, an OME-Zarr metadata read: an OSError of a store that does not wrap its own (a
+    filesystem of fsspec's) is a StorageError, as on the reading path."""
+    try:
+        return what(uri, options_for(options, uri))
+    except StokerError:
+        raise
+    except OSError as exc:
+        raise StorageError(f"{uri}: reading the OME-Zarr metadata above it (where flips place its box): "
+                           f"{type(exc).__name__}: {exc}", uri=uri) from exc
 
 
 def _own_fields(source: Any) -> bool:
@@ -110,7 +123,7 @@ class LayoutGuard:
         """``uri``'s scale (reference voxels per voxel: its OME-Zarr level's, else 1) and voxel spacing (its
         OME-Zarr one, else its scale), each read once."""
         if uri not in self._scales:
-            self._scales[uri] = level_scale(uri, options_for(self.options, uri)) or ()  # () for scale 1
+            self._scales[uri] = _read(level_scale, uri, self.options) or ()  # () for scale 1
         scale = self._scales[uri]
         scale = scale if len(scale) == ndim else (1,) * ndim
         if not self._scales[uri]:
@@ -121,6 +134,6 @@ class LayoutGuard:
         """The voxel spacing of ``uri`` (placed at ``scale``): its OME-Zarr one, else ``scale``; only asked for
         with a transpose among the transforms (a flip needs no spacing)."""
         if self.spacing and uri not in self._spacings:
-            self._spacings[uri] = physical_spacing(uri, options_for(self.options, uri))
+            self._spacings[uri] = _read(physical_spacing, uri, self.options)
         spacing = self._spacings.get(uri)
         return spacing if spacing is not None and len(spacing) == len(scale) else tuple(map(float, scale))
