@@ -392,3 +392,33 @@ def test_an_os_error_of_the_metadata_reads_is_a_storage_error(vol, monkeypatch):
         p.push(iter(_plain(vol, 4)))
         with pytest.raises(stoker.StorageError, match="labels.zarr: reading the OME-Zarr metadata"):
             p.pop()
+
+
+def test_a_level_the_metadata_cannot_place_is_read_and_refused_only_beside_other_fields(vol, tmp_path):
+    """An OME-Zarr level 1 translated 3 voxels (stoker places none such): a sample of it alone reads as
+    without a transform (a transpose of it too); beside a labels field the check cannot place it, an
+    InvalidArgument for the sample (not the MetadataError of the Field's rule); about='own_centre' reads it."""
+    g = zarr.open_group(str(tmp_path / "odd.ome.zarr"), mode="w", zarr_format=3)
+    g.create_array("0", shape=RAW, chunks=(8, 8, 8), dtype="float32")[...] = vol["data"]
+    g.create_array("1", shape=(16, 16, 16), chunks=(8, 8, 8), dtype="float32")[...] = vol["data"][::2, ::2, ::2]
+    axes = [{"name": a, "type": "space"} for a in "zyx"]
+    g.attrs["ome"] = {"version": "0.5", "multiscales": [{"axes": axes, "datasets": [
+        {"path": "0", "coordinateTransformations": [{"type": "scale", "scale": [1.0] * 3}]},
+        {"path": "1", "coordinateTransformations": [{"type": "scale", "scale": [2.0] * 3},
+                                                    {"type": "translation", "translation": [3.0] * 3}]}]}]}
+    level = str(tmp_path / "odd.ome.zarr" / "1")
+    alone = [stoker.Sample({"raw": (level, [(0, 8)] * 3)})] * 2
+    for transform in (RandomFlip(), RandomTranspose(axes=(-3, -2, -1))):
+        with stoker.Pipeline(_cfg([transform], batch_size=2)) as p:
+            p.push(alone)
+            p.pop().release()
+    pair = [stoker.Sample({"raw": (level, [(0, 8)] * 3), "labels": (vol["labels"], [(4, 12)] * 3)})] * 2
+    with stoker.Pipeline(_cfg([RandomFlip()], batch_size=2)) as p:
+        with pytest.raises(stoker.InvalidArgument, match="field 'raw''s array is a level of an OME-Zarr image "
+                                                         "that stoker cannot place") as err:
+            p.push(pair)
+    assert "translated 3 level-0 voxels" in str(err.value) and "Field(..., scale=...)" in str(err.value)
+    assert err.value.knob == "about"
+    with stoker.Pipeline(_cfg([RandomFlip(about="own_centre")], batch_size=2)) as p:
+        p.push(pair)
+        p.pop().release()

@@ -19,7 +19,7 @@ from operator import mul, sub
 from typing import Any, Callable
 
 from ...config import Config
-from ...errors import StokerError, StorageError
+from ...errors import InvalidArgument, MetadataError, StokerError, StorageError
 from ...reader.ome import level_scale, physical_spacing
 from ...sampling.sample import Sample
 from ...sampling.samplers import RandomCrops, TileGrid
@@ -38,6 +38,18 @@ def _read(what: Callable[..., Any], uri: str, options: Any) -> Any:
     except OSError as exc:
         raise StorageError(f"{uri}: reading the OME-Zarr metadata above it (where flips place its box): "
                            f"{type(exc).__name__}: {exc}", uri=uri) from exc
+
+
+def _unplaced_error(transform: Any, s: Sample, name: str, why: str) -> InvalidArgument:
+    """The InvalidArgument for a sample one of whose fields' arrays is an OME-Zarr level stoker cannot place."""
+    why = why.split(": ", 1)[-1].split("; ", 1)[0]  # what is wrong with the level, less its uri and advice
+    return InvalidArgument(
+        f"{transform!r}: sample {s!r}: field {name!r}'s array is a level of an OME-Zarr image that stoker cannot "
+        f"place over the image's level 0 ({why}), and a Sample carries no scale of its own, so whether the "
+        "fields' boxes share a centre cannot be told (reading the sample is not affected). If its boxes are "
+        "centred on one another, pass about='own_centre' to the transform; or draw the samples from Fields with "
+        "an explicit scale (RandomCrops or TileGrid over Field(..., scale=...), the source itself pushed)",
+        knob="about")
 
 
 def _own_fields(source: Any) -> bool:
@@ -59,6 +71,7 @@ class LayoutGuard:
         self.spacing = any(isinstance(t, RandomTranspose) for t in self.transforms)  # spacings count
         self._scales: dict[str, tuple[int, ...]] = {}  # per array: its OME-Zarr level's scale (1 otherwise)
         self._spacings: dict[str, tuple[float, ...] | None] = {}  # per array: its OME-Zarr voxel spacing
+        self._unplaced: dict[str, str] = {}  # per array its metadata cannot place over its level 0: why
         self._passed: set[Any] = set()  # layouts (relative to the first field) already checked
 
     def pushed(self, it: Any) -> bool:
@@ -111,6 +124,9 @@ class LayoutGuard:
         key = tuple((uri, len(c), tuple(map(sub, c, origin))) for uri, c in centres)
         if key in self._passed:
             return
+        unplaced = [(name, self._unplaced[f.uri]) for name, f in s.fields.items() if f.uri in self._unplaced]
+        if unplaced and len(s.fields) > 1:
+            raise _unplaced_error(self.transforms[0], s, *unplaced[0])
         layout = {}
         for name, f in s.fields.items():
             box = f.aabb or ()
@@ -123,7 +139,10 @@ class LayoutGuard:
         """``uri``'s scale (reference voxels per voxel: its OME-Zarr level's, else 1) and voxel spacing (its
         OME-Zarr one, else its scale), each read once."""
         if uri not in self._scales:
-            self._scales[uri] = _read(level_scale, uri, self.options) or ()  # () for scale 1
+            try:
+                self._scales[uri] = _read(level_scale, uri, self.options) or ()  # () for scale 1
+            except MetadataError as exc:  # read fine all the same: only a sample of other fields is refused
+                self._scales[uri], self._unplaced[uri] = (), exc.message
         scale = self._scales[uri]
         scale = scale if len(scale) == ndim else (1,) * ndim
         if not self._scales[uri]:
