@@ -422,3 +422,48 @@ def test_a_level_the_metadata_cannot_place_is_read_and_refused_only_beside_other
     with stoker.Pipeline(_cfg([RandomFlip(about="own_centre")], batch_size=2)) as p:
         p.push(pair)
         p.pop().release()
+
+
+_GLOBAL_FLIP = RandomFlip(seed=1)
+
+
+def _global_wrapper(batch, keys):
+    """A module-level function running a module-level flip (found through the globals its code names)."""
+    return _GLOBAL_FLIP(batch, keys)
+
+
+_global_wrapper.takes_keys = True  # type: ignore[attr-defined]
+
+
+class _ClassAttr(Keyed):
+    flip = RandomFlip(seed=1)
+
+    def __call__(self, batch, keys):
+        return self.flip(batch, keys)
+
+
+class _ViaMethod(Keyed):
+    def __call__(self, batch, keys):
+        return _GLOBAL_FLIP(batch, keys)
+
+
+class _Lazy(Keyed):
+    def __init__(self):
+        self.ops = None
+
+    def __call__(self, batch, keys):
+        self.ops = self.ops or [RandomFlip(seed=1)]
+        return self.ops[0](batch, keys)
+
+
+@pytest.mark.parametrize("transform", [_global_wrapper, _ClassAttr(), _ViaMethod(), [_ViaMethod().__call__]],
+                         ids=["global-function", "class-attribute", "method-global", "bound-method"])
+def test_flips_in_globals_and_class_attributes_are_found(vol, transform):
+    """A flip a module-level function names as a global, one a class holds, one its method names: refused at
+    push for corner labels; an unrelated global the code does not name is not found, nor a lazily made flip."""
+    from stoker.transforms.layout import find_geometric
+
+    with stoker.Pipeline(_cfg(transform)) as p:
+        with pytest.raises(stoker.InvalidArgument, match="other centres"):
+            p.push(_crops(vol, (0, 0, 0)))
+    assert find_geometric(_Jitter(None)) == [] and find_geometric(_Lazy()) == []

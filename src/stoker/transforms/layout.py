@@ -54,8 +54,16 @@ Layout = Mapping[str, FieldBox]  # field name -> its box ("" for a sample of one
 def find_geometric(transform: Any) -> list[Any]:
     """The flips and transposes in ``transform`` that turn fields about their shared centre (the built-ins, and
     any object with a ``check_layout`` method and an ``about`` other than ``"own_centre"``): itself, the members
-    of a :class:`~.compose.Compose` or list, and those a wrapper of one's own holds (in its attributes, a
-    closure or a ``functools.partial``, a few levels deep)."""
+    of a :class:`~.compose.Compose` or list, and those a wrapper of one's own holds: in its attributes (its own
+    and its classes'), a closure, a ``functools.partial``, a bound method, the module globals a function's
+    code names; breadth first, ``_DEPTH`` steps deep, ``_ITEMS`` items of a container, ``_OBJECTS`` objects
+    in all. Looked up statically (no ``__getattr__`` of the user's runs); an object raising is skipped. Not
+    found: a flip created lazily on the first call, or beyond those bounds.
+
+    >>> flip = RandomFlip()
+    >>> find_geometric(lambda b, k: flip(b, k)) == [flip]
+    True
+    """
     found: list[Any] = []
     seen: set[int] = set()
     queue = collections.deque([(transform, 0)] if not issubclass(type(transform), _LEAVES) else [])  # breadth first: what a wrapper holds itself is found first
@@ -96,16 +104,35 @@ def _parts(obj: Any) -> Iterable[Any]:
     if isinstance(obj, functools.partial):
         return [obj.func, *obj.args, *obj.keywords.values()]
     if isinstance(obj, types.MethodType):
-        return [obj.__self__]
-    if isinstance(obj, types.FunctionType):
-        return [c.cell_contents for c in obj.__closure__ or () if _filled(c)]
-    if type(obj).__module__.split(".")[0] in ("torch", "numpy", "builtins"):
+        return [obj.__self__, obj.__func__]
+    if isinstance(obj, (staticmethod, classmethod)):
+        return [obj.__func__]
+    if isinstance(obj, property):
+        return [obj.fget]
+    if isinstance(obj, types.FunctionType):  # its closure, and the module globals its code names (FLIP(batch))
+        used = [obj.__globals__[n] for n in obj.__code__.co_names if n in obj.__globals__]
+        return [c.cell_contents for c in obj.__closure__ or () if _filled(c)] + used
+    if _foreign(type(obj)):
         return []
     # object's own lookup: no __getattr__ or __getattribute__ of the object's class runs
     own = _slot(obj, "__dict__")  # None for an object of slots only
     parts = list(own.values()) if isinstance(own, dict) else []
     parts += [_slot(obj, s) for s in getattr(type(obj), "__slots__", ()) if isinstance(s, str)]
+    for cls in type(obj).__mro__:  # its classes' attributes (a flip as a class attribute) and methods
+        if not _foreign(cls) and not cls.__module__.startswith("stoker."):
+            parts += [v for k, v in vars(cls).items() if k not in _CLASS_PLUMBING]
     return parts
+
+
+#: what every class holds and no transform is in
+_CLASS_PLUMBING = frozenset({"__dict__", "__weakref__", "__module__", "__doc__", "__qualname__", "__slots__",
+                             "__annotations__", "__parameters__", "__orig_bases__", "__abstractmethods__",
+                             "_abc_impl"})
+
+
+def _foreign(cls: type) -> bool:
+    """A class of torch, numpy or the builtins: its objects hold no transform of the user's."""
+    return str(getattr(cls, "__module__", "")).split(".")[0] in ("torch", "numpy", "builtins")
 
 
 def _slot(obj: Any, name: str) -> Any:
