@@ -111,8 +111,8 @@ def test_a_label_box_at_the_raw_corner_is_refused_at_push_with_what_to_change(vo
 def test_only_the_axes_where_the_fields_are_centred_may_be_flipped(vol):
     """Labels centred in y and x but not z: flips of y and x pass and stay aligned; z among them is refused,
     and the message names axes=(-2, -1) as what would pass."""
-    with pytest.raises(stoker.InvalidArgument, match=re.escape("flip only the axes where they are centred "
-                                                               "(axes=(-2, -1))")):
+    with pytest.raises(stoker.InvalidArgument, match=re.escape("box). Flip only the axes where they are centred "
+                                                               "(axes=(-2, -1)), where they are to overlap")):
         _batches(_cfg([RandomFlip(axes=(-3, -2, -1))]), _crops(vol, (0, 4, 4)), 1)
     flip = RandomFlip(axes=(-2, -1), seed=4)
     for fields, _, _ in _batches(_cfg([flip]), _crops(vol, (0, 4, 4)), 2):
@@ -467,3 +467,28 @@ def test_flips_in_globals_and_class_attributes_are_found(vol, transform):
         with pytest.raises(stoker.InvalidArgument, match="other centres"):
             p.push(_crops(vol, (0, 0, 0)))
     assert find_geometric(_Jitter(None)) == [] and find_geometric(_Lazy()) == []
+
+
+def test_an_offset_is_suggested_only_where_a_whole_multiple_of_the_scale_centres(vol):
+    """Labels of 7 in raw of 16: the centring offset would be 4.5, not suggested (the extents must differ by an
+    even number); a context of scale 2 whose centring offset is 1 (no multiple of 2): none either; one of 0
+    where -4 centres it: suggested. A time-offset target centred on y, x: the axes hint first."""
+    with pytest.raises(stoker.InvalidArgument) as err:
+        _batches(_cfg([RandomFlip()]), _crops(vol, (4, 4, 4), labels_shape=(7, 7, 7)), 1)
+    msg = str(err.value)
+    assert "offset=" not in msg and "no offset centres 'labels', that gives a half voxel" in msg
+    assert "differing by an even multiple of its scale" in msg
+    odd = stoker.RandomCrops({"raw": stoker.Field(vol["raw"], (18, 18, 18)),
+                              "context": stoker.Field(vol["coarse"], (8, 8, 8))}, seed=1, samples_per_epoch=8)
+    with pytest.raises(stoker.InvalidArgument, match="no offset centres 'context'") as err:
+        _batches(_cfg([RandomFlip()]), odd.for_rank(0, 1), 1)
+    assert "offset=" not in str(err.value)
+    ok = stoker.RandomCrops({"raw": stoker.Field(vol["raw"], (16, 16, 16)),
+                             "context": stoker.Field(vol["coarse"], (16, 16, 16))}, seed=1, samples_per_epoch=8)
+    with pytest.raises(stoker.InvalidArgument, match=re.escape("here offset=(-8, -8, -8) for 'context'")):
+        _batches(_cfg([RandomFlip()]), ok.for_rank(0, 1), 1)
+    with pytest.raises(stoker.InvalidArgument) as err:
+        _batches(_cfg([RandomFlip()]), _crops(vol, (7, 4, 4), labels_shape=(1, 8, 8)), 1)
+    tail = str(err.value).split("beside its raw box). ")[1]
+    assert tail.startswith("Flip only the axes where they are centred (axes=(-2, -1)), where they are to overlap")
+    assert "offset=" not in tail

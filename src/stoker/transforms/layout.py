@@ -41,11 +41,13 @@ class FieldBox(NamedTuple):
     """One field of a sample: ``centre2`` twice its box's centre per axis of the box, in reference voxels from
     an origin the sample's fields share (twice, so it is an integer); ``spacing`` the extent of one of its
     voxels per axis (physical units from OME-Zarr metadata, else reference voxels: only their ratios within a
-    field count); ``offset`` a :class:`~stoker.Field`'s (None for a sample's box), to say which would centre it."""
+    field count); ``offset`` and ``scale`` a :class:`~stoker.Field`'s (None for a sample's box), to say which
+    offset would centre it (a multiple of the scale)."""
 
     centre2: tuple[int, ...]
     spacing: tuple[float, ...]
     offset: tuple[int, ...] | None = None
+    scale: tuple[int, ...] | None = None
 
 
 Layout = Mapping[str, FieldBox]  # field name -> its box ("" for a sample of one box)
@@ -184,20 +186,57 @@ def describe(layout: Layout, axes: Sequence[int]) -> str:
 
 def apart_error(who: str, layout: Layout, axes: Sequence[int], apart: Sequence[int], where: str,
                 verb: str, done: str, least: int = 1) -> InvalidArgument:
-    """The InvalidArgument for fields whose centres differ on ``apart`` (of the transform's ``axes``)."""
+    """The InvalidArgument for fields whose centres differ on ``apart`` (of the transform's ``axes``): first the
+    axes that would pass, then how to centre the fields (a Field's offset that does, where a whole multiple of
+    its scale does), then ``about``."""
     keep = [a for a in axes if a not in apart]
     first = next(iter(layout.values()))
-    fixes = {name: tuple(o + (first.centre2[i - len(box.centre2)] - c) / 2 if i - len(box.centre2) in apart else o
-                         for i, (o, c) in enumerate(zip(box.offset, box.centre2)))
-             for name, box in layout.items() if box.offset is not None and box is not first}
-    fixes = {name: tuple(int(v) if float(v).is_integer() else v for v in o) for name, o in fixes.items()}
-    fix = f"; here offset={', '.join(f'{o} for {n!r}' for n, o in fixes.items())}" if fixes else ""
     only = f"{verb} only the axes where they are centred (axes={tuple(keep)}), " if len(keep) >= least else ""
+    if first.offset is None:  # a Sample's boxes: no offset to give
+        centre = ("where they are to overlap, centre the fields' boxes on one another (each box's start + end, times its array's scale, the "
+                  "same on those axes for every field)")
+    else:
+        fixes, stuck = _offsets(layout, apart)
+        centre = ("where they are to overlap, centre the fields' boxes on one another (a Field's offset = the first field's offset + (its "
+                  "extent - this field's extent) / 2, in reference voxels")
+        if fixes:
+            centre += f"; here offset={', '.join(f'{o} for {n!r}' for n, o in fixes.items())}"
+        if stuck:
+            centre += (f"; no offset centres {', '.join(map(repr, stuck))}, that gives a half voxel or no multiple "
+                       "of its scale: change its extent or the first field's, the two in reference voxels differing "
+                       "by an even multiple of its scale")
+        centre += ")"
+    advice = only + centre
     return InvalidArgument(
         f"{who}: {where}: the fields' boxes have other centres on axes {tuple(apart)} (reference voxels"
         f"{' from the anchor' if first.offset is not None else ''}: "
         f"{describe(layout, apart)}); each field is {done} about its own centre, so after it the fields would "
-        f"no longer lie over one another (a label box beside its raw box). Centre the fields' boxes on one "
-        "another (a Field's offset = the first field's offset + (its extent - this field's extent) / 2, in "
-        f"reference voxels{fix}), {only}or pass "
-        f"about='own_centre' to {verb} each field about its own centre anyway", knob="about")
+        f"no longer lie over one another (a label box beside its raw box). {advice[0].upper()}{advice[1:]}, or "
+        f"pass about='own_centre' to {verb} each field about its own centre anyway", knob="about")
+
+
+def _offsets(layout: Layout, apart: Sequence[int]) -> tuple[dict[str, tuple[int, ...]], list[str]]:
+    """The offsets that centre each Field on the first field that has the axis, on ``apart``; and the fields no
+    offset centres (a half voxel, or not a multiple of the field's scale)."""
+    fixes: dict[str, tuple[int, ...]] = {}
+    stuck: list[str] = []
+    for name, box in layout.items():
+        if box.offset is None:
+            continue
+        scale = box.scale or (1,) * len(box.offset)
+        new, ok = list(box.offset), True
+        for i, (o, c, s) in enumerate(zip(box.offset, box.centre2, scale)):
+            a = i - len(box.centre2)
+            ref = next((b.centre2[a] for b in layout.values() if len(b.centre2) >= -a), c)
+            if a not in apart or ref == c:
+                continue
+            twice = 2 * o + ref - c  # 2 * the offset whose centre is ref's
+            if twice % 2 or (twice // 2) % s:
+                ok = False
+                break
+            new[i] = twice // 2
+        if not ok:
+            stuck.append(name)
+        elif tuple(new) != tuple(box.offset):
+            fixes[name] = tuple(new)
+    return fixes, stuck

@@ -90,7 +90,7 @@ class LayoutGuard:
             for name in vol.names:
                 f, scale = vol.fields[name], vol.scales[name]
                 centre2 = tuple(2 * o + c * s for o, c, s in zip(f.offset, f.shape, scale))  # from the anchor
-                layout[name] = FieldBox(centre2, self._spacing(f.uris[0], scale), f.offset)
+                layout[name] = FieldBox(centre2, self._spacing(f.uris[0], scale), f.offset, tuple(scale))
             where = f"{who} volume {i}" + (f" ({vol.fields[vol.names[0]].uris[0]})" if len(volumes) > 1 else "")
             check_layout(self.transforms, layout, where)
         return True
