@@ -492,3 +492,18 @@ def test_an_offset_is_suggested_only_where_a_whole_multiple_of_the_scale_centres
     tail = str(err.value).split("beside its raw box). ")[1]
     assert tail.startswith("Flip only the axes where they are centred (axes=(-2, -1)), where they are to overlap")
     assert "offset=" not in tail
+
+
+def test_a_sample_of_a_plain_array_is_placed_at_scale_1_and_the_message_says_so(vol):
+    """A RandomCrops over a plain array given Field(scale=2) passes pushed itself; its samples pushed as a list
+    carry no scale (the plain array counts as 1): refused, the message saying why and what to push instead.
+    A hand-made sample's message gives no Field offset rule."""
+    fields = {"raw": stoker.Field(vol["raw"], (16, 16, 16)), "context": stoker.Field(vol["labels"], (8, 8, 8), scale=2)}
+    source = stoker.RandomCrops(fields, seed=0, samples_per_epoch=8)
+    _batches(_cfg([RandomFlip()]), source.for_rank(0, 1), 1)
+    with pytest.raises(stoker.InvalidArgument) as err:
+        _batches(_cfg([RandomFlip()]), [source.sample(0, i) for i in range(8)], 1)
+    msg = str(err.value)
+    assert "A Sample carries no scale" in msg and "at scale 1 where none lists it ('raw', 'context' here)" in msg
+    assert "source itself is pushed (source.for_rank(...))" in msg and err.value.knob == "about"
+    assert "a Field's offset" not in msg and "each box's start + end, times its array's scale" in msg

@@ -127,12 +127,23 @@ class LayoutGuard:
         unplaced = [(name, self._unplaced[f.uri]) for name, f in s.fields.items() if f.uri in self._unplaced]
         if unplaced and len(s.fields) > 1:
             raise _unplaced_error(self.transforms[0], s, *unplaced[0])
-        layout = {}
+        layout, unit = {}, []
         for name, f in s.fields.items():
             box = f.aabb or ()
             scale, spacing = self._frame(f.uri, len(box))
             layout[name] = FieldBox(tuple(k * (a + b) for k, (a, b) in zip(scale, box)), spacing)
-        check_layout(self.transforms, layout, f"sample {s!r}")
+            unit += [name] if all(k == 1 for k in scale) else []
+        try:
+            check_layout(self.transforms, layout, f"sample {s!r}")
+        except InvalidArgument as exc:
+            if not unit or len(layout) < 2:
+                raise
+            # a Sample has no scale of its own: a coarse plain array a Field(scale=) made it from counts as 1
+            raise InvalidArgument(
+                f"{exc.message}. A Sample carries no scale: each array is placed by its OME-Zarr level's "
+                f"metadata, at scale 1 where none lists it ({', '.join(map(repr, unit))} here); samples of a "
+                "RandomCrops or TileGrid over Field(..., scale=...) are placed by those scales only when the source "
+                "itself is pushed (source.for_rank(...))", **exc.context) from None
         self._passed.add(key)
 
     def _frame(self, uri: str, ndim: int) -> tuple[tuple[int, ...], tuple[float, ...]]:
