@@ -507,3 +507,38 @@ def test_a_sample_of_a_plain_array_is_placed_at_scale_1_and_the_message_says_so(
     assert "A Sample carries no scale" in msg and "at scale 1 where none lists it ('raw', 'context' here)" in msg
     assert "source itself is pushed (source.for_rank(...))" in msg and err.value.knob == "about"
     assert "a Field's offset" not in msg and "each box's start + end, times its array's scale" in msg
+
+
+def test_the_check_reads_each_folder_once_and_a_sources_spacings_once(vol, tmp_path, monkeypatch):
+    """Samples of many cases under one folder: each folder's documents read once per pipeline (3 per case
+    folder, 3 per folder above it), not once per array; a RandomCrops of Field volumes under a transpose reads
+    its arrays' spacings at its first pipeline's push only (a CropDataset's pipeline of each epoch: none)."""
+    import stoker.reader.ome as ome
+
+    data = vol["data"][:16, :16, :16]
+    cases = []
+    for i in range(6):
+        for name in ("raw", "lab"):
+            zarr.create_array(str(tmp_path / "a" / "b" / f"case{i}" / f"{name}.zarr"), shape=data.shape,
+                              chunks=(8, 8, 8), dtype="float32")[...] = data
+        cases.append([str(tmp_path / "a" / "b" / f"case{i}" / f"{n}.zarr") for n in ("raw", "lab")])
+    reads = []
+    real = ome.read_regular
+    monkeypatch.setattr(ome, "read_regular", lambda path, *a, **k: reads.append(path) or real(path, *a, **k))
+    samples = [stoker.Sample({"raw": (r, [(0, 16)] * 3), "labels": (lab, [(4, 12)] * 3)}) for r, lab in cases]
+    with stoker.Pipeline(_cfg([RandomFlip()], batch_size=2)) as p:
+        p.push(samples)
+    assert len(reads) == len(set(reads)) <= 3 * 6 + 3 * 4  # case folders, then b, a and up to the depth bound
+    volumes = [{"raw": stoker.Field(r, (8, 8, 8)), "labels": stoker.Field(lab, (4, 4, 4), offset=(2, 2, 2))}
+               for r, lab in cases]
+    source = stoker.RandomCrops(volumes, seed=0, samples_per_epoch=8)
+    turn = RandomTranspose(axes=(-3, -2, -1))
+    reads.clear()
+    with stoker.Pipeline(_cfg([turn], batch_size=2)) as p:
+        p.push(source.for_rank(0, 1))
+    assert 0 < len(reads) == len(set(reads))
+    reads.clear()
+    with stoker.Pipeline(_cfg([turn], batch_size=2)) as p:
+        p.push(source.for_rank(0, 1))
+    next(iter(stoker.CropDataset(source.for_rank(0, 1), _cfg([turn], batch_size=2))))
+    assert reads == []

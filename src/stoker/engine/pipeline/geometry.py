@@ -5,8 +5,8 @@ A pushed source whose fields are :class:`~stoker.Field` volumes (``RandomCrops``
 checked once at push, volume by volume, from each field's offset, extent and scale: every sample of a volume
 has its fields in the same place around its anchor. Any other sample (a pushed list or iterable, a
 ``SampleList``, a source of one's own) is checked as it is validated, from its boxes and its arrays' OME-Zarr
-levels (read once per array); a layout checked once is remembered, so a run of samples alike costs a dict
-lookup each. A pipeline without such transforms checks nothing.
+levels (each local folder's documents read once per pipeline; a Field source's spacings once per source); a
+layout checked once is remembered, so a run of samples alike costs a dict lookup each. A pipeline without such transforms checks nothing.
 
 >>> guard = LayoutGuard(cfg)
 >>> guard.pushed(share)          # True: its volumes were checked (InvalidArgument otherwise)
@@ -28,11 +28,11 @@ from ...transforms.augment import RandomTranspose
 from ...transforms.layout import FieldBox, check_layout, find_geometric
 
 
-def _read(what: Callable[..., Any], uri: str, options: Any) -> Any:
-    """``what(uri, options)``, an OME-Zarr metadata read: an OSError of a store that does not wrap its own (a
-    filesystem of fsspec's) is a StorageError, as on the reading path."""
+def _read(what: Callable[..., Any], uri: str, options: Any, nodes: dict) -> Any:
+    """``what(uri, options)``, an OME-Zarr metadata read (local groups read once in ``nodes``): an OSError of a
+    store that does not wrap its own (a filesystem of fsspec's) is a StorageError, as on the reading path."""
     try:
-        return what(uri, options_for(options, uri))
+        return what(uri, options_for(options, uri), None, nodes)
     except StokerError:
         raise
     except OSError as exc:
@@ -71,6 +71,7 @@ class LayoutGuard:
         self.spacing = any(isinstance(t, RandomTranspose) for t in self.transforms)  # spacings count
         self._scales: dict[str, tuple[int, ...]] = {}  # per array: its OME-Zarr level's scale (1 otherwise)
         self._spacings: dict[str, tuple[float, ...] | None] = {}  # per array: its OME-Zarr voxel spacing
+        self._nodes: dict = {}  # the local groups read above the arrays: a folder of many arrays read once
         self._unplaced: dict[str, str] = {}  # per array its metadata cannot place over its level 0: why
         self._passed: set[Any] = set()  # layouts (relative to the first field) already checked
 
@@ -84,6 +85,17 @@ class LayoutGuard:
             return False  # each sample is checked as it comes
         volumes = source.volumes
         who = type(source).__name__
+        # the spacings a transpose needs, kept with the source as its shapes and scales are: a CropDataset's
+        # pipeline of each epoch reads none again
+        known = getattr(source, "_spacing_cache", None)
+        if not isinstance(known, dict):
+            known = {}
+            try:
+                source._spacing_cache = known
+            except AttributeError:  # a subclass with __slots__: read by each pipeline
+                pass
+        for uri, spacing in known.items():
+            self._spacings.setdefault(uri, spacing)
         for i, mv in enumerate(volumes):
             vol = mv.volume
             layout = {}
@@ -92,6 +104,8 @@ class LayoutGuard:
                 centre2 = tuple(2 * o + c * s for o, c, s in zip(f.offset, f.shape, scale))  # from the anchor
                 layout[name] = FieldBox(centre2, self._spacing(f.uris[0], scale), f.offset, tuple(scale))
             where = f"{who} volume {i}" + (f" ({vol.fields[vol.names[0]].uris[0]})" if len(volumes) > 1 else "")
+            known.update({f.uris[0]: self._spacings[f.uris[0]] for f in vol.fields.values()
+                          if f.uris[0] in self._spacings})
             check_layout(self.transforms, layout, where)
         return True
 
@@ -151,7 +165,7 @@ class LayoutGuard:
         OME-Zarr one, else its scale), each read once."""
         if uri not in self._scales:
             try:
-                self._scales[uri] = _read(level_scale, uri, self.options) or ()  # () for scale 1
+                self._scales[uri] = _read(level_scale, uri, self.options, self._nodes) or ()  # () for scale 1
             except MetadataError as exc:  # read fine all the same: only a sample of other fields is refused
                 self._scales[uri], self._unplaced[uri] = (), exc.message
         scale = self._scales[uri]
@@ -164,6 +178,6 @@ class LayoutGuard:
         """The voxel spacing of ``uri`` (placed at ``scale``): its OME-Zarr one, else ``scale``; only asked for
         with a transpose among the transforms (a flip needs no spacing)."""
         if self.spacing and uri not in self._spacings:
-            self._spacings[uri] = _read(physical_spacing, uri, self.options)
+            self._spacings[uri] = _read(physical_spacing, uri, self.options, self._nodes)
         spacing = self._spacings.get(uri)
         return spacing if spacing is not None and len(spacing) == len(scale) else tuple(map(float, scale))
