@@ -542,3 +542,14 @@ def test_the_check_reads_each_folder_once_and_a_sources_spacings_once(vol, tmp_p
         p.push(source.for_rank(0, 1))
     next(iter(stoker.CropDataset(source.for_rank(0, 1), _cfg([turn], batch_size=2))))
     assert reads == []
+
+
+def test_crop_batches_refused_at_push_can_be_iterated_again(vol):
+    """CropBatches whose push a flip refused is not used up: iterating again refuses again (not 'iterated
+    once'), and it can still be closed."""
+    from stoker.train import CropBatches
+
+    with CropBatches(_crops(vol, (0, 0, 0)), _cfg([RandomFlip()])) as data:
+        for _ in range(2):
+            with pytest.raises(stoker.InvalidArgument, match="other centres"):
+                iter(data)
