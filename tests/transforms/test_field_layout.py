@@ -111,8 +111,8 @@ def test_a_label_box_at_the_raw_corner_is_refused_at_push_with_what_to_change(vo
 def test_only_the_axes_where_the_fields_are_centred_may_be_flipped(vol):
     """Labels centred in y and x but not z: flips of y and x pass and stay aligned; z among them is refused,
     and the message names axes=(-2, -1) as what would pass."""
-    with pytest.raises(stoker.InvalidArgument, match=re.escape("flip only the axes where they are centred "
-                                                               "(axes=(-2, -1))")):
+    with pytest.raises(stoker.InvalidArgument, match=re.escape("box). Flip only the axes where they are centred "
+                                                               "(axes=(-2, -1)), where they are to overlap")):
         _batches(_cfg([RandomFlip(axes=(-3, -2, -1))]), _crops(vol, (0, 4, 4)), 1)
     flip = RandomFlip(axes=(-2, -1), seed=4)
     for fields, _, _ in _batches(_cfg([flip]), _crops(vol, (0, 4, 4)), 2):
@@ -275,3 +275,281 @@ def test_a_flip_beside_large_attributes_is_found_and_own_centre_is_left_out():
     assert find_geometric([RandomTranspose(about="own_centre"), flip]) == [flip]
     with pytest.raises(stoker.InvalidArgument, match="about must be one of"):
         RandomFlip(about="centre")
+
+
+class _Cases(stoker.SampleSource):
+    """A user's own source whose plain data is an attribute named ``volumes`` (as RandomCrops' is)."""
+
+    def __init__(self, volumes, start, n=8):
+        self.volumes, self.start, self.n = volumes, start, n
+
+    def __len__(self):
+        return self.n
+
+    def sample(self, epoch, index):
+        raw, labels = self.volumes[0] if self.volumes else self.fallback
+        a = index % 8
+        b = a + self.start
+        return stoker.Sample({"raw": (raw, [(a, a + 16)] * 3), "labels": (labels, [(b, b + 8)] * 3)})
+
+
+class _Offset(stoker.RandomCrops):
+    """A RandomCrops whose samples are its own: its labels boxes moved to the raw box's corner."""
+
+    def sample(self, epoch, index):
+        s = super().sample(epoch, index)
+        raw = s.fields["raw"].aabb
+        return stoker.Sample({"raw": (s.fields["raw"].uri, raw),
+                              "labels": (s.fields["labels"].uri, [(a, a + 8) for a, _ in raw])})
+
+
+def test_only_stokers_own_field_sources_are_checked_whole_at_push(vol):
+    """A source of one's own with a ``volumes`` attribute is checked sample by sample: centred ones pass (no
+    AttributeError at push), an empty list checks nothing whole (corner labels refused); a RandomCrops subclass
+    making samples of its own is checked sample by sample too."""
+    pair = [[vol["raw"], vol["labels"]]]
+    for fields, _, _ in _batches(_cfg([RandomFlip(seed=1)]), _Cases(pair, 4).for_rank(0, 1), 1):
+        np.testing.assert_array_equal(fields["labels"], fields["raw"][:, 4:12, 4:12, 4:12])
+    empty = _Cases([], 0)
+    empty.fallback = pair[0]
+    with pytest.raises(stoker.InvalidArgument, match="other centres"):
+        _batches(_cfg([RandomFlip(seed=1)]), empty.for_rank(0, 1), 1)
+    fields = {"raw": stoker.Field(vol["raw"], (16, 16, 16)),
+              "labels": stoker.Field(vol["labels"], (8, 8, 8), offset=(4, 4, 4))}
+    with pytest.raises(stoker.InvalidArgument, match="other centres"):
+        _batches(_cfg([RandomFlip(seed=1)]), _Offset(fields, seed=0, samples_per_epoch=8).for_rank(0, 1), 1)
+
+
+class _AttrDict(dict):
+    """A common config idiom: every attribute is a key (KeyError for any other)."""
+
+    __getattr__ = dict.__getitem__
+
+
+class _Jitter(Keyed):
+    def __init__(self, params):
+        self.params = params
+
+    def __call__(self, batch, keys):
+        return batch
+
+
+class _Raising:
+    """An object that raises on every attribute."""
+
+    def __getattribute__(self, name):
+        raise RuntimeError(name)
+
+
+class _Slots:
+    __slots__ = ("flip", "unset")
+
+    def __init__(self, flip):
+        self.flip = flip
+
+
+def test_the_finder_runs_no_attribute_hooks_and_never_raises(vol):
+    """A transform holding an AttrDict (whose __getattr__ raises KeyError) makes a pipeline as before; objects
+    raising on any attribute are stepped over, a flip in a slot beside them is still found."""
+    from stoker.transforms.layout import find_geometric
+
+    stoker.Pipeline(_cfg([_Jitter(_AttrDict(sigma=0.1))])).close()
+    flip = RandomFlip()
+    assert find_geometric([_Jitter(_AttrDict(sigma=0.1)), _Raising(), _Slots(flip)]) == [flip]
+
+
+def test_a_sample_is_not_passed_for_an_earlier_one_of_fewer_axes_first(vol, tmp_path):
+    """The memo of checked layouts keys every axis of every field: a 2-D field listed first, then raw and
+    labels centred (passes), then the labels off-centre on z only (a key cut to the first field's two axes
+    would be the same): refused, as on a fresh pipeline."""
+    plane = str(tmp_path / "plane.zarr")
+    zarr.create_array(plane, shape=(32, 32), chunks=(8, 8), dtype="float32")[...] = vol["data"][0]
+
+    def sample(z):
+        return stoker.Sample({"slice": (plane, [(4, 12)] * 2), "raw": (vol["raw"], [(0, 16)] * 3),
+                              "labels": (vol["labels"], [(z, z + 8), (4, 12), (4, 12)])})
+
+    with stoker.Pipeline(_cfg([RandomFlip()], batch_size=1)) as p:
+        p.push([sample(4)])
+        with pytest.raises(stoker.InvalidArgument, match=re.escape("other centres on axes (-3,)")):
+            p.push([sample(0)])
+
+
+def test_an_os_error_of_the_metadata_reads_is_a_storage_error(vol, monkeypatch):
+    """A store's OSError while the check reads an array's OME-Zarr metadata reaches pop as a StorageError
+    naming the array, as the reading path's own errors do."""
+    from stoker.engine.pipeline import geometry
+
+    real = geometry.level_scale
+
+    def flaky(uri, *args):
+        if uri == vol["labels"]:
+            raise OSError(5, "simulated I/O error")
+        return real(uri, *args)
+
+    monkeypatch.setattr(geometry, "level_scale", flaky)
+    with stoker.Pipeline(_cfg([RandomFlip()], batch_size=4)) as p:
+        p.push(iter(_plain(vol, 4)))
+        with pytest.raises(stoker.StorageError, match="labels.zarr: reading the OME-Zarr metadata"):
+            p.pop()
+
+
+def test_a_level_the_metadata_cannot_place_is_read_and_refused_only_beside_other_fields(vol, tmp_path):
+    """An OME-Zarr level 1 translated 3 voxels (stoker places none such): a sample of it alone reads as
+    without a transform (a transpose of it too); beside a labels field the check cannot place it, an
+    InvalidArgument for the sample (not the MetadataError of the Field's rule); about='own_centre' reads it."""
+    g = zarr.open_group(str(tmp_path / "odd.ome.zarr"), mode="w", zarr_format=3)
+    g.create_array("0", shape=RAW, chunks=(8, 8, 8), dtype="float32")[...] = vol["data"]
+    g.create_array("1", shape=(16, 16, 16), chunks=(8, 8, 8), dtype="float32")[...] = vol["data"][::2, ::2, ::2]
+    axes = [{"name": a, "type": "space"} for a in "zyx"]
+    g.attrs["ome"] = {"version": "0.5", "multiscales": [{"axes": axes, "datasets": [
+        {"path": "0", "coordinateTransformations": [{"type": "scale", "scale": [1.0] * 3}]},
+        {"path": "1", "coordinateTransformations": [{"type": "scale", "scale": [2.0] * 3},
+                                                    {"type": "translation", "translation": [3.0] * 3}]}]}]}
+    level = str(tmp_path / "odd.ome.zarr" / "1")
+    alone = [stoker.Sample({"raw": (level, [(0, 8)] * 3)})] * 2
+    for transform in (RandomFlip(), RandomTranspose(axes=(-3, -2, -1))):
+        with stoker.Pipeline(_cfg([transform], batch_size=2)) as p:
+            p.push(alone)
+            p.pop().release()
+    pair = [stoker.Sample({"raw": (level, [(0, 8)] * 3), "labels": (vol["labels"], [(4, 12)] * 3)})] * 2
+    with stoker.Pipeline(_cfg([RandomFlip()], batch_size=2)) as p:
+        with pytest.raises(stoker.InvalidArgument, match="field 'raw''s array is a level of an OME-Zarr image "
+                                                         "that stoker cannot place") as err:
+            p.push(pair)
+    assert "translated 3 level-0 voxels" in str(err.value) and "Field(..., scale=...)" in str(err.value)
+    assert err.value.knob == "about"
+    with stoker.Pipeline(_cfg([RandomFlip(about="own_centre")], batch_size=2)) as p:
+        p.push(pair)
+        p.pop().release()
+
+
+_GLOBAL_FLIP = RandomFlip(seed=1)
+
+
+def _global_wrapper(batch, keys):
+    """A module-level function running a module-level flip (found through the globals its code names)."""
+    return _GLOBAL_FLIP(batch, keys)
+
+
+_global_wrapper.takes_keys = True  # type: ignore[attr-defined]
+
+
+class _ClassAttr(Keyed):
+    flip = RandomFlip(seed=1)
+
+    def __call__(self, batch, keys):
+        return self.flip(batch, keys)
+
+
+class _ViaMethod(Keyed):
+    def __call__(self, batch, keys):
+        return _GLOBAL_FLIP(batch, keys)
+
+
+class _Lazy(Keyed):
+    def __init__(self):
+        self.ops = None
+
+    def __call__(self, batch, keys):
+        self.ops = self.ops or [RandomFlip(seed=1)]
+        return self.ops[0](batch, keys)
+
+
+@pytest.mark.parametrize("transform", [_global_wrapper, _ClassAttr(), _ViaMethod(), [_ViaMethod().__call__]],
+                         ids=["global-function", "class-attribute", "method-global", "bound-method"])
+def test_flips_in_globals_and_class_attributes_are_found(vol, transform):
+    """A flip a module-level function names as a global, one a class holds, one its method names: refused at
+    push for corner labels; an unrelated global the code does not name is not found, nor a lazily made flip."""
+    from stoker.transforms.layout import find_geometric
+
+    with stoker.Pipeline(_cfg(transform)) as p:
+        with pytest.raises(stoker.InvalidArgument, match="other centres"):
+            p.push(_crops(vol, (0, 0, 0)))
+    assert find_geometric(_Jitter(None)) == [] and find_geometric(_Lazy()) == []
+
+
+def test_an_offset_is_suggested_only_where_a_whole_multiple_of_the_scale_centres(vol):
+    """Labels of 7 in raw of 16: the centring offset would be 4.5, not suggested (the extents must differ by an
+    even number); a context of scale 2 whose centring offset is 1 (no multiple of 2): none either; one of 0
+    where -4 centres it: suggested. A time-offset target centred on y, x: the axes hint first."""
+    with pytest.raises(stoker.InvalidArgument) as err:
+        _batches(_cfg([RandomFlip()]), _crops(vol, (4, 4, 4), labels_shape=(7, 7, 7)), 1)
+    msg = str(err.value)
+    assert "offset=" not in msg and "no offset centres 'labels', that gives a half voxel" in msg
+    assert "differing by an even multiple of its scale" in msg
+    odd = stoker.RandomCrops({"raw": stoker.Field(vol["raw"], (18, 18, 18)),
+                              "context": stoker.Field(vol["coarse"], (8, 8, 8))}, seed=1, samples_per_epoch=8)
+    with pytest.raises(stoker.InvalidArgument, match="no offset centres 'context'") as err:
+        _batches(_cfg([RandomFlip()]), odd.for_rank(0, 1), 1)
+    assert "offset=" not in str(err.value)
+    ok = stoker.RandomCrops({"raw": stoker.Field(vol["raw"], (16, 16, 16)),
+                             "context": stoker.Field(vol["coarse"], (16, 16, 16))}, seed=1, samples_per_epoch=8)
+    with pytest.raises(stoker.InvalidArgument, match=re.escape("here offset=(-8, -8, -8) for 'context'")):
+        _batches(_cfg([RandomFlip()]), ok.for_rank(0, 1), 1)
+    with pytest.raises(stoker.InvalidArgument) as err:
+        _batches(_cfg([RandomFlip()]), _crops(vol, (7, 4, 4), labels_shape=(1, 8, 8)), 1)
+    tail = str(err.value).split("beside its raw box). ")[1]
+    assert tail.startswith("Flip only the axes where they are centred (axes=(-2, -1)), where they are to overlap")
+    assert "offset=" not in tail
+
+
+def test_a_sample_of_a_plain_array_is_placed_at_scale_1_and_the_message_says_so(vol):
+    """A RandomCrops over a plain array given Field(scale=2) passes pushed itself; its samples pushed as a list
+    carry no scale (the plain array counts as 1): refused, the message saying why and what to push instead.
+    A hand-made sample's message gives no Field offset rule."""
+    fields = {"raw": stoker.Field(vol["raw"], (16, 16, 16)), "context": stoker.Field(vol["labels"], (8, 8, 8), scale=2)}
+    source = stoker.RandomCrops(fields, seed=0, samples_per_epoch=8)
+    _batches(_cfg([RandomFlip()]), source.for_rank(0, 1), 1)
+    with pytest.raises(stoker.InvalidArgument) as err:
+        _batches(_cfg([RandomFlip()]), [source.sample(0, i) for i in range(8)], 1)
+    msg = str(err.value)
+    assert "A Sample carries no scale" in msg and "at scale 1 where none lists it ('raw', 'context' here)" in msg
+    assert "source itself is pushed (source.for_rank(...))" in msg and err.value.knob == "about"
+    assert "a Field's offset" not in msg and "each box's start + end, times its array's scale" in msg
+
+
+def test_the_check_reads_each_folder_once_and_a_sources_spacings_once(vol, tmp_path, monkeypatch):
+    """Samples of many cases under one folder: each folder's documents read once per pipeline (3 per case
+    folder, 3 per folder above it), not once per array; a RandomCrops of Field volumes under a transpose reads
+    its arrays' spacings at its first pipeline's push only (a CropDataset's pipeline of each epoch: none)."""
+    import stoker.reader.ome as ome
+
+    data = vol["data"][:16, :16, :16]
+    cases = []
+    for i in range(6):
+        for name in ("raw", "lab"):
+            zarr.create_array(str(tmp_path / "a" / "b" / f"case{i}" / f"{name}.zarr"), shape=data.shape,
+                              chunks=(8, 8, 8), dtype="float32")[...] = data
+        cases.append([str(tmp_path / "a" / "b" / f"case{i}" / f"{n}.zarr") for n in ("raw", "lab")])
+    reads = []
+    real = ome.read_regular
+    monkeypatch.setattr(ome, "read_regular", lambda path, *a, **k: reads.append(path) or real(path, *a, **k))
+    samples = [stoker.Sample({"raw": (r, [(0, 16)] * 3), "labels": (lab, [(4, 12)] * 3)}) for r, lab in cases]
+    with stoker.Pipeline(_cfg([RandomFlip()], batch_size=2)) as p:
+        p.push(samples)
+    assert len(reads) == len(set(reads)) <= 3 * 6 + 3 * 4  # case folders, then b, a and up to the depth bound
+    volumes = [{"raw": stoker.Field(r, (8, 8, 8)), "labels": stoker.Field(lab, (4, 4, 4), offset=(2, 2, 2))}
+               for r, lab in cases]
+    source = stoker.RandomCrops(volumes, seed=0, samples_per_epoch=8)
+    turn = RandomTranspose(axes=(-3, -2, -1))
+    reads.clear()
+    with stoker.Pipeline(_cfg([turn], batch_size=2)) as p:
+        p.push(source.for_rank(0, 1))
+    assert 0 < len(reads) == len(set(reads))
+    reads.clear()
+    with stoker.Pipeline(_cfg([turn], batch_size=2)) as p:
+        p.push(source.for_rank(0, 1))
+    next(iter(stoker.CropDataset(source.for_rank(0, 1), _cfg([turn], batch_size=2))))
+    assert reads == []
+
+
+def test_crop_batches_refused_at_push_can_be_iterated_again(vol):
+    """CropBatches whose push a flip refused is not used up: iterating again refuses again (not 'iterated
+    once'), and it can still be closed."""
+    from stoker.train import CropBatches
+
+    with CropBatches(_crops(vol, (0, 0, 0)), _cfg([RandomFlip()])) as data:
+        for _ in range(2):
+            with pytest.raises(stoker.InvalidArgument, match="other centres"):
+                iter(data)

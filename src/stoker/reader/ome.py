@@ -50,15 +50,15 @@ MAX_PATH_DEPTH = 4
 
 
 def level_scale(uri: str | os.PathLike, storage_options: dict | None = None,
-                stores: Stores | None = None) -> tuple[int, ...] | None:
+                stores: Stores | None = None, nodes: Nodes | None = None) -> tuple[int, ...] | None:
     """Per axis, how many level-0 voxels one voxel of the array at ``uri`` spans, when the array is a level
     of an OME-Zarr image (the ``multiscales`` of its parent, or of the nearest group above that has them,
     list its path below that group; a level of a label image: over its parent image's level 0); None for level
     0 and for an array that is no such level (both span one reference voxel per voxel). A level whose scale
     is missing, or not a whole multiple of level 0's, is a :class:`~stoker.errors.MetadataError` that says
-    to give the scale explicitly."""
+    to give the scale explicitly. ``nodes``: the local groups read so far (see :data:`Nodes`)."""
     uri = os.fspath(uri)
-    ancestors = _ancestor_attributes(uri, storage_options, stores)
+    ancestors = _ancestor_attributes(uri, storage_options, stores, nodes)
     for attrs, name in ancestors:
         multiscales = _multiscales(attrs)
         if multiscales is None:
@@ -102,7 +102,7 @@ Transform = tuple["list[float] | None", "list[float] | None"]
 
 
 def physical_spacing(uri: str | os.PathLike, storage_options: dict | None = None,
-                     stores: Stores | None = None) -> tuple[float, ...] | None:
+                     stores: Stores | None = None, nodes: Nodes | None = None) -> tuple[float, ...] | None:
     """The physical extent of one voxel of the array at ``uri`` per axis, when it is a level of an OME-Zarr image
     (its dataset's ``scale``, the multiscale's own applied); None for an array no multiscales list, or a level
     without a scale. What a transpose must keep equal on the axes it swaps.
@@ -111,7 +111,7 @@ def physical_spacing(uri: str | os.PathLike, storage_options: dict | None = None
     (4.0, 1.0, 1.0)
     """
     uri = os.fspath(uri)
-    for attrs, name in _ancestor_attributes(uri, storage_options, stores):
+    for attrs, name in _ancestor_attributes(uri, storage_options, stores, nodes):
         multiscales = _multiscales(attrs)
         if multiscales is None:
             continue
@@ -401,8 +401,13 @@ def _ratio(mine: float, base: float, uri: str, name: str, axis: int) -> int:
     return int(whole)
 
 
+#: local groups' nodes already read, ``(folder, format) -> read_group_node's answer``: given by a caller that
+#: asks about many arrays under one folder (the pipeline's flip check), so each folder's documents are read once
+Nodes = dict
+
+
 def _ancestor_attributes(uri: str, storage_options: dict | None,
-                         stores: Stores | None) -> Iterator[tuple[Any, str]]:
+                         stores: Stores | None, nodes: Nodes | None = None) -> Iterator[tuple[Any, str]]:
     """``(attributes of an ancestor group of the array, the array's path below it)``, from its parent up, at
     most :data:`MAX_PATH_DEPTH` folders (a dataset ``path`` may be nested: ``"s/1"``). A folder with no
     document is stepped over (zarr-python writes none for the ``s`` of ``s/1``, and reads the level through
@@ -417,7 +422,11 @@ def _ancestor_attributes(uri: str, storage_options: dict | None,
         parent, name = split(os.path.normpath(loc.path))
 
         def node(group: str, fmt: int | None) -> tuple[int, Any, bool] | None:
-            return read_group_node(lambda doc: read_regular(os.path.join(group, doc)), fmt)
+            if nodes is None:
+                return read_group_node(lambda doc: read_regular(os.path.join(group, doc)), fmt)
+            if (group, fmt) not in nodes:
+                nodes[group, fmt] = read_group_node(lambda doc: read_regular(os.path.join(group, doc)), fmt)
+            return nodes[group, fmt]
     else:
         if not loc.prefix:
             return

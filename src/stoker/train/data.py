@@ -69,9 +69,14 @@ class CropBatches:
         if self._pipeline is not None:
             raise InvalidArgument("CropBatches is endless and can be iterated once; make a new one (after "
                                   "load_state_dict) to start again")
-        self._pipeline = Pipeline(self.cfg)
-        self._pipeline.push(self.source.forever())
-        return self._batches(self._pipeline)
+        pipeline = Pipeline(self.cfg)
+        try:
+            pipeline.push(self.source.forever())
+        except BaseException:  # refused (a flip that moves the fields apart): nothing was read, iterable again
+            pipeline.close()
+            raise
+        self._pipeline = pipeline
+        return self._batches(pipeline)
 
     def _batches(self, pipeline: Pipeline) -> Iterator[Any]:
         try:
