@@ -58,10 +58,16 @@ class SizedLRU(Generic[V]):
         self.put(key, value)
         return value
 
-    def get(self, key: Hashable) -> V | None:
-        """The value cached for ``key`` (now the most recently used), or None."""
+    def get(self, key: Hashable, valid: Callable[[V], bool] | None = None) -> V | None:
+        """The value cached for ``key`` (now the most recently used), or None; a value ``valid(value)`` rejects
+        is dropped and counted as a miss (``valid`` runs under the lock: keep it short)."""
         with self._lock:
             item = self._items.get(key)
+            if item is not None and valid is not None and not valid(item[0]):
+                del self._items[key]
+                self._bytes -= item[1]
+                self._nones.discard(key)
+                item = None
             if item is None:
                 self.misses += 1
                 return None
