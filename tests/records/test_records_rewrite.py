@@ -51,6 +51,25 @@ def test_the_sample_cache_serves_values_rewritten_at_the_same_shape(tmp_path, in
     np.testing.assert_array_equal(ds.read(1, ["positions"])["positions"].numpy(), new)
 
 
+@pytest.mark.parametrize("fmt", [2, 3])
+def test_the_sample_cache_sees_chunks_written_where_there_were_none(tmp_path, fmt):
+    # An array made of its fill value alone stores no chunk file; values written later add files (and folders
+    # for v3's c/... keys): no listed file changed, the folders' times say something was added.
+    root = str(tmp_path / "d")
+    for i in range(2):
+        g = zarr.open_group(os.path.join(root, f"rec_{i:03d}.zarr"), mode="w", zarr_format=fmt)
+        g.create_array("grid", shape=(8, 4), chunks=(2, 2), dtype="f4", fill_value=0)
+    ds = ZarrRecords(root, fields=["grid"], cache_bytes=1 << 20)
+    assert float(ds[1]["grid"].abs().sum()) == 0 and float(ds[1]["grid"].abs().sum()) == 0
+    new = np.arange(32, dtype="f4").reshape(8, 4)
+    zarr.open_array(os.path.join(root, "rec_001.zarr", "grid"), mode="r+")[4:6, 2:4] = new[4:6, 2:4]
+    want = np.zeros((8, 4), "f4")
+    want[4:6, 2:4] = new[4:6, 2:4]
+    np.testing.assert_array_equal(ds[1]["grid"].numpy(), want)
+    os.remove(os.path.join(root, "rec_001.zarr", "grid", *(("2.1",) if fmt == 2 else ("c", "2", "1"))))
+    np.testing.assert_array_equal(ds[1]["grid"].numpy(), np.zeros((8, 4), "f4"))  # a chunk deleted: fill again
+
+
 def test_preloaded_samples_are_read_again_once_rewritten(tmp_path):
     root = str(tmp_path / "d")
     truth = write_dataset(root, n=3)

@@ -36,7 +36,7 @@ from ..errors import InvalidArgument, MetadataError, OutOfBounds
 from ..storage import LocalStore
 from ..storage.locate import Stores, locate
 from .catalog import TIME_DIM, Catalog, FieldsArg, scan
-from .identity import record_identity
+from .identity import record_identity, unchanged
 
 Sample = dict[str, torch.Tensor]
 
@@ -353,20 +353,25 @@ class ZarrRecords(torch.utils.data.Dataset):
         b = self._base_index(i)
         names = self._check_subset(fields)
         if self._eager is not None:
-            ident = record_identity(self._catalog, b, self._catalog.fields)
-            if ident != self._eager_ids.get(b):  # rewritten since it was preloaded: read it again
+            if not unchanged(self._catalog, b, self._catalog.fields, self._eager_ids[b]):  # rewritten since
+                ident = record_identity(self._catalog, b, self._catalog.fields)            # read: read again
                 self._eager[b] = self._read(b, self._catalog.fields)
                 self._eager_ids[b] = ident
             held = self._eager[b]
             return {name: held[name].clone() for name in names}
         if self._cache is not None:
-            # Each hit is checked against what the record's files are now (one stat per file: see
-            # records.identity), taken before a read, so a write during the read shows as a change next time.
-            ident = record_identity(self._catalog, b, names)
-            entry = self._cache.get((b, names), lambda held: held[1] == ident)
+            # Each hit is checked against what the record's files and folders were when it was read (a stat
+            # of each, no listing: see records.identity); the identity of a read is taken before it, so a write
+            # during the read shows as a change next time.
+            key = (b, names)
+            entry = self._cache.get(key)
+            if entry is not None and not unchanged(self._catalog, b, names, entry[1]):
+                self._cache.reject(key, entry)
+                entry = None
             if entry is None:
+                ident = record_identity(self._catalog, b, names)
                 entry = (self._read(b, names), ident)
-                self._cache.put((b, names), entry)
+                self._cache.put(key, entry)
             # Clones out: a caller normalising in place must not change what the cache holds.
             return {name: t.clone() for name, t in entry[0].items()}
         return self._read(b, names)
