@@ -36,6 +36,7 @@ from ..errors import InvalidArgument, MetadataError, OutOfBounds
 from ..storage import LocalStore
 from ..storage.locate import Stores, locate
 from .catalog import TIME_DIM, Catalog, FieldsArg, scan
+from .identity import record_identity, unchanged
 
 Sample = dict[str, torch.Tensor]
 
@@ -125,9 +126,13 @@ class ZarrRecords(torch.utils.data.Dataset):
         self._indices: np.ndarray = np.arange(len(self._catalog), dtype=np.int64)
         self._part: tuple[int, int] = (0, 1)
         self._eager: dict[int, Sample] | None = None
+        self._eager_ids: dict[int, Any] = {}  # each preloaded record's identity as it was read
         self._init_process_state(store)
         if not self._lazy:
-            self._eager = {int(b): self._read(int(b), self._catalog.fields) for b in self._indices}
+            self._eager = {}
+            for b in map(int, self._indices):
+                self._eager_ids[b] = record_identity(self._catalog, b, self._catalog.fields)
+                self._eager[b] = self._read(b, self._catalog.fields)
             self.close()  # everything is in memory: keep no descriptor open
 
     # -- per-process state (never pickled) ---------------------------------------------------
@@ -140,8 +145,9 @@ class ZarrRecords(torch.utils.data.Dataset):
         self._stores: Stores | None = None  # a dataset in a store: its stores and metadata, per process
         self._stores_pid = -1
         self._lock = threading.Lock()
-        self._cache: SizedLRU[Sample] | None = (
-            SizedLRU(self._cache_bytes, _sample_nbytes) if self._cache_bytes > 0 else None
+        # (sample, the record's identity when it was read)
+        self._cache: SizedLRU[tuple[Sample, Any]] | None = (
+            SizedLRU(self._cache_bytes, lambda entry: _sample_nbytes(entry[0])) if self._cache_bytes > 0 else None
         )
 
     def __getstate__(self) -> dict[str, Any]:
@@ -347,12 +353,27 @@ class ZarrRecords(torch.utils.data.Dataset):
         b = self._base_index(i)
         names = self._check_subset(fields)
         if self._eager is not None:
+            if not unchanged(self._catalog, b, self._catalog.fields, self._eager_ids[b]):  # rewritten since
+                ident = record_identity(self._catalog, b, self._catalog.fields)            # read: read again
+                self._eager[b] = self._read(b, self._catalog.fields)
+                self._eager_ids[b] = ident
             held = self._eager[b]
             return {name: held[name].clone() for name in names}
         if self._cache is not None:
+            # Each hit is checked against what the record's files and folders were when it was read (a stat
+            # of each, no listing: see records.identity); the identity of a read is taken before it, so a write
+            # during the read shows as a change next time.
+            key = (b, names)
+            entry = self._cache.get(key)
+            if entry is not None and not unchanged(self._catalog, b, names, entry[1]):
+                self._cache.reject(key, entry)
+                entry = None
+            if entry is None:
+                ident = record_identity(self._catalog, b, names)
+                entry = (self._read(b, names), ident)
+                self._cache.put(key, entry)
             # Clones out: a caller normalising in place must not change what the cache holds.
-            held = self._cache.get_or_load((b, names), lambda: self._read(b, names))
-            return {name: t.clone() for name, t in held.items()}
+            return {name: t.clone() for name, t in entry[0].items()}
         return self._read(b, names)
 
     def _check_subset(self, fields: Sequence[str] | None) -> tuple[str, ...]:
@@ -411,6 +432,7 @@ class ZarrRecords(torch.utils.data.Dataset):
         view._part = (r + w * rank, w * world_size)
         if self._eager is not None:
             view._eager = {int(b): self._eager[int(b)] for b in view._indices}
+            view._eager_ids = dict(self._eager_ids)  # its own: a record it reads again is new to it alone
         view._init_process_state(self._user_store)
         view._owner_pid = self._owner_pid
         return view
@@ -426,6 +448,7 @@ def base_subset(ds: ZarrRecords, indices: np.ndarray) -> ZarrRecords:
     if ds._eager is not None:
         held = all(int(b) in ds._eager for b in view._indices)
         view._eager = {int(b): ds._eager[int(b)] for b in view._indices} if held else None
+        view._eager_ids = dict(ds._eager_ids)
     view._init_process_state(ds._user_store)
     view._owner_pid = ds._owner_pid
     return view

@@ -17,12 +17,15 @@ the call is collective and returns once every rank is done.
 **Idempotent.** The array's attributes hold a fingerprint of ``name`` and
 ``params`` (``attrs["stoker_precompute"]``); a record whose array carries the
 same fingerprint is skipped, any other (or none) is recomputed. Beside it the
-attributes record the stored shape and dtype of each of the dataset's other fields
-in that record (``inputs``, from the catalog: no read), and a record whose fields
+attributes record the stored shape, dtype and files (a digest of each file's size and
+modification time, :mod:`stoker.records.identity`: one ``stat`` per file, no read) of each
+of the dataset's other fields in that record (``inputs``), and a record whose fields
 no longer have them (rewritten: a remeshed sample's N nodes against a k-NN table of
-N_old rows) is recomputed too; fields only one of the two datasets names are not
-compared (opening it with other ``fields=`` recomputes nothing). Neither can see a changed ``fn``, nor values
-rewritten at the same shapes: put a version in ``params``.
+N_old rows, or new values at the same shapes) is recomputed too; fields only one of the
+two datasets names are not compared (opening it with other ``fields=`` recomputes nothing).
+A copy of the dataset that keeps times (``cp -a``, ``rsync -a``) keeps its arrays; one
+that does not recomputes them once. Fields in an object store are compared by shape and
+dtype only. Nothing can see a changed ``fn``: put a version in ``params``.
 
 **Atomic.** The array is written to a hidden sibling directory
 (``.<name>.tmp-<host>-<pid>-<random>``; hidden names are never fields), its files
@@ -57,6 +60,7 @@ import torch
 from ..dist.collectives import all_gather, group_position
 from ..errors import DtypeMismatch, InvalidArgument, StokerError, StorageError
 from .dataset import Sample, ZarrRecords, rank_part
+from .identity import fields_digest
 from .stats import FieldStats, normalize, stats_fingerprint
 from ..storage.fsutil import claim, fsync_tree, make_sibling_dir, place_dir, remove_dead_siblings, try_claim
 from ..storage import read_regular
@@ -141,10 +145,14 @@ def stored_inputs(record: str, name: str) -> Any:
     return entry.get("inputs") if isinstance(entry, dict) else None
 
 
-def record_inputs(info: Any, name: str) -> dict[str, list]:
-    """``{field: [stored shape, dtype]}`` of a record's fields (``info``: its ``ZarrRecords.metadata``) but
-    ``name``, as JSON data: what an array precomputed from them was computed from."""
-    return {f: [list(v.stored_shape), np.dtype(v.dtype).str] for f, v in sorted(info.fields.items()) if f != name}
+def record_inputs(ds: ZarrRecords, i: int, name: str) -> dict[str, list]:
+    """``{field: [stored shape, dtype, files]}`` of record ``i``'s fields but ``name``, as JSON data: what an
+    array precomputed from them was computed from. ``files`` digests the size and modification time of each
+    file of the field (:func:`stoker.records.identity.fields_digest`; None for a field in an object store)."""
+    info = ds.metadata(i)
+    others = [f for f in sorted(info.fields) if f != name]
+    files = fields_digest(ds._catalog, ds._base_index(i), others)
+    return {f: [list(info.fields[f].stored_shape), np.dtype(info.fields[f].dtype).str, files[f]] for f in others}
 
 
 def inputs_agree(stored: Any, inputs: dict[str, list]) -> bool:
@@ -279,7 +287,7 @@ def _store(local: ZarrRecords, i: int, name: str, fn: Callable[[Sample], Any], f
     sample = info.name
     final = os.path.join(record, name)
     remove_dead_siblings(final)
-    inputs = record_inputs(info, name)
+    inputs = record_inputs(local, i, name)  # before fn reads: a write meanwhile shows as a change next time
     attrs = {ATTR: {**attrs[ATTR], "inputs": inputs}}
 
     def done() -> bool:  # the same name and params, from fields of the same shapes and dtypes

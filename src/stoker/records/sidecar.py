@@ -3,9 +3,12 @@
 The fingerprint hashes what the statistics depend on and metadata can tell:
 the field names, every record's name with those fields' shapes (as read, after
 ``time_slice``) and dtypes, ``per_channel``, the derived names and the
-non-finite policy. It cannot see data rewritten in place with the same shapes
-(a NaN written since included), nor a derived function whose code changed under
-the same name: delete the file (or pass ``cache=False``) then.
+non-finite policy; it is the same on every rank, so ranks compare it (node-local
+copies of a dataset included). Each entry also holds ``files``, a digest of the
+size and modification time of every file of the fields it covers
+(:func:`stoker.records.identity.dataset_digest`): an entry of other files (values
+rewritten at the same shapes) is not used. Neither sees a derived function whose
+code changed under the same name: delete the file (or pass ``cache=False``) then.
 
 Writes are atomic (a fresh temporary file in the same directory, then ``os.replace``),
 so a reader sees the old file or the new one, never half of one. A write reads, changes
@@ -76,19 +79,23 @@ def _read_doc(root: str) -> dict | None:
     return doc
 
 
-def load(root: str, fp: str) -> dict | None:
-    """The entry stored under fingerprint ``fp``, or None."""
+def load(root: str, fp: str, files: str | None = None) -> dict | None:
+    """The entry stored under fingerprint ``fp``, or None; with ``files`` (what the records store now, see
+    :func:`stoker.records.identity.dataset_digest`), None too when the entry was computed from other files."""
     doc = _read_doc(root)
     if doc is None or doc.get("version") != VERSION:
         return None
     entry = doc["entries"].get(fp)
-    return entry if isinstance(entry, dict) else None
+    if not isinstance(entry, dict) or (files is not None and entry.get("files") != files):
+        return None
+    return entry
 
 
-def claim_computation(root: str, fp: str) -> Claim | None:
-    """Claim computing the entry ``fp`` of ``root``: the claim, or None once another process wrote the entry
-    (this waits for it; see :func:`stoker.storage.fsutil.claim`). ``OSError`` where ``root`` cannot be written."""
-    return claim(Path(path_for(root) + f".{fp[:16]}"), until=lambda: load(root, fp) is not None)
+def claim_computation(root: str, fp: str, files: str | None = None) -> Claim | None:
+    """Claim computing the entry ``fp`` (of ``files``, see :func:`load`) of ``root``: the claim, or None once
+    another process wrote the entry (this waits for it; see :func:`stoker.storage.fsutil.claim`). ``OSError``
+    where ``root`` cannot be written."""
+    return claim(Path(path_for(root) + f".{fp[:16]}"), until=lambda: load(root, fp, files) is not None)
 
 
 def write(root: str, fp: str, entry: dict) -> str:

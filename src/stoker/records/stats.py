@@ -60,6 +60,7 @@ from ..storage.artifacts import dataset_dir, dataset_identity
 from ..storage.locate import locate
 from . import sidecar
 from .dataset import Sample, ZarrRecords, base_subset, rank_part
+from .identity import dataset_digest
 from .moments import F64, Moments
 
 Derived = Callable[[Sample], torch.Tensor]
@@ -571,13 +572,16 @@ def compute_stats(
     if len({int(h[0]) for h in headers}) > 1:
         raise InvalidArgument(f"ranks see different datasets under {ds.root} (their fingerprints differ)")
     folder = _folder(ds) if cache else None
-    held, entry = cached_entry(folder, fp, lead, world, group) if cache else (None, None)
+    # What the covered fields' files are now (this node's copy; taken before reading, so a write during the
+    # computation shows as a change next time): an entry of other files is not used.
+    files = dataset_digest(ds._catalog, list(ds.fields) if derived else names) if cache and (lead or world == 1) else None
+    held, entry = cached_entry(folder, fp, lead, world, group, files) if cache else (None, None)
     try:
         loaded = _from_entry(entry, expect, list(derived)) if entry is not None else None
         if loaded is not None:  # every rank holds rank 0's entry: all return here, or none
             return _channels_last(loaded)
         return _channels_last(_compute(ds, (local, slots, blocks), names, derived, per_channel, skip, expect, group,
-                                       world, fp, nonfinite, folder, lead, derived_input, reuse))
+                                       world, fp, nonfinite, folder, lead, derived_input, reuse, files))
     finally:
         if held is not None:
             held.release()
@@ -633,8 +637,10 @@ def _folder(ds: ZarrRecords) -> str:
     return str(dataset_dir(ds.root, ds.storage_options))
 
 
-def cached_entry(root: str, fp: str, lead: bool, world: int, group: Any) -> tuple[Any, dict | None]:
-    """``(claim, entry)``: the sidecar's entry ``fp`` as the lead process finds it, shared with every rank.
+def cached_entry(root: str, fp: str, lead: bool, world: int, group: Any, files: str | None = None
+                 ) -> tuple[Any, dict | None]:
+    """``(claim, entry)``: the sidecar's entry ``fp`` as the lead process finds it, shared with every rank; with
+    ``files`` (:func:`stoker.records.identity.dataset_digest`), only an entry computed from those files.
 
     When the entry is missing, the lead claims computing it: another job computing the same statistics
     holds the claim until its entry is written, and this job then reuses that entry instead of computing
@@ -643,12 +649,12 @@ def cached_entry(root: str, fp: str, lead: bool, world: int, group: Any) -> tupl
     held, entry, error = None, None, None
     if lead:
         try:
-            entry = sidecar.load(root, fp)
+            entry = sidecar.load(root, fp, files)
             if entry is None:
                 os.makedirs(root, exist_ok=True)  # a cache folder is made on first use
-                held = sidecar.claim_computation(root, fp)
+                held = sidecar.claim_computation(root, fp, files)
                 if held is None:
-                    entry = sidecar.load(root, fp)
+                    entry = sidecar.load(root, fp, files)
         except ClaimTimeout as exc:
             error = exc
         except OSError:
@@ -656,7 +662,7 @@ def cached_entry(root: str, fp: str, lead: bool, world: int, group: Any) -> tupl
         except Exception as exc:  # noqa: BLE001 - shared below, so no rank waits for an answer never sent
             error = exc
     elif world == 1:
-        return None, sidecar.load(root, fp)
+        return None, sidecar.load(root, fp, files)
     if world > 1:
         entry, message = broadcast_object((entry, None if error is None else f"{type(error).__name__}: {error}"),
                                            group)
@@ -670,7 +676,7 @@ def cached_entry(root: str, fp: str, lead: bool, world: int, group: Any) -> tupl
 def _compute(ds: ZarrRecords, part: tuple[ZarrRecords, np.ndarray, int], names: list[str], derived: Mapping[str, Derived],
              per_channel: bool, skip: bool, expect: dict, group: Any, world: int, fp: str, nonfinite: str,
              folder: str | None, lead: bool, derived_input: str | None = "normalized",
-             reuse: Mapping[str, FieldStats] | None = None) -> dict[str, FieldStats]:
+             reuse: Mapping[str, FieldStats] | None = None, files: str | None = None) -> dict[str, FieldStats]:
     """Both passes; with a ``folder`` (the cache), the ``lead`` process writes the sidecar entry there and the
     ranks meet at a barrier once it is in place. ``part``: what this rank reads (:func:`_blocks_part`)."""
     local, slots, blocks = part
@@ -700,6 +706,7 @@ def _compute(ds: ZarrRecords, part: tuple[ZarrRecords, np.ndarray, int], names: 
                 "nonfinite": nonfinite,
                 "records": ds.base_size,
                 "world_size": world,
+                "files": files,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "stats": {name: st.to_json() for name, st in result.items()},
             }

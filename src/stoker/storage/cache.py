@@ -125,6 +125,18 @@ class SizedLRU(Generic[V]):
         if dropped and self._evicted is not None:
             self._evicted(dropped)
 
+    def reject(self, key: Hashable, value: V) -> None:
+        """``value``, just got for ``key``, is out of date: drop it (if still cached) and count that get as a
+        miss, not a hit (checked outside the lock by the caller, as a check may take system calls)."""
+        with self._lock:
+            item = self._items.get(key)
+            if item is not None and item[0] is value:
+                del self._items[key]
+                self._bytes -= item[1]
+                self._nones.discard(key)
+            self.hits -= 1
+            self.misses += 1
+
     def discard(self, key: Hashable, when: Callable[[V], bool] | None = None) -> None:
         """Drop ``key``'s value if it is cached (and ``when(value)`` is true, when given)."""
         with self._lock:

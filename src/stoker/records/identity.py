@@ -1,0 +1,143 @@
+"""What a record's fields store now: the local identity the records' caches are checked against.
+
+    >>> ident = record_identity(ds._catalog, 0, ["positions"])  # ((("", -1, mtime_ns, inode), ("c", ...), ...),)
+    >>> unchanged(ds._catalog, 0, ["positions"], ident)          # True until the record is rewritten
+    >>> fields_digest(ds._catalog, 0, ["positions"])           # {"positions": "3f1c..."}: size and time only
+
+A field of a local record is identified by every file of its array (the metadata document and each chunk
+or shard file) with its size, modification time and inode, and by its folders' times and inodes:
+zarr-python writes a file to a temporary name and renames it into place, so a rewritten chunk gets a new
+inode and time, and a file added or removed changes its folder's time. Taking it is one ``scandir`` per
+folder and one ``stat`` per file; checking it (:func:`unchanged`) one ``stat`` per file and folder, no
+listing and no read. A file added within the file system's timestamp granularity (a few ms on ext4) of the
+listing can go unseen until its folder changes again. A field in a zip
+archive is identified by the archive's file; a field in an object store or on an HTTP server by nothing
+(None: such caches are checked by shape and dtype only, as a listing per record would cost about what the
+read it guards costs).
+
+This identity is local: a copy of the dataset on another node has other inodes (and, unless copied with its
+times, ``cp -a``, other times). The cross-rank fingerprint (:func:`stoker.records.sidecar.fingerprint`) is
+therefore made of shapes and dtypes alone, and the caches on disk (statistics, precomputed arrays) key on
+size and time only, so a copy that keeps times keeps them valid.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any, Sequence
+
+from ..storage.locate import locate
+
+Files = tuple[tuple[str, int, int, int], ...]
+
+
+def files_of(folder: str) -> Files:
+    """``(key, size, mtime_ns, inode)`` of every file under ``folder`` and of every folder (``folder`` itself
+    as key ``""``; a folder's size is -1: not compared), sorted; empty when ``folder`` is missing. A folder's
+    time changes when an entry is added to it, removed or renamed into it, so :func:`unchanged` can tell a
+    new file without listing again."""
+    out: list[tuple[str, int, int, int]] = []
+    try:
+        st = os.stat(folder)
+    except OSError:
+        return ()
+    out.append(("", -1, st.st_mtime_ns, st.st_ino))
+    stack = [("", folder)]
+    while stack:
+        key, path = stack.pop()
+        try:
+            entries = list(os.scandir(path))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for e in entries:
+            name = f"{key}/{e.name}" if key else e.name
+            try:
+                if e.is_dir(follow_symlinks=False):
+                    st = e.stat(follow_symlinks=False)
+                    stack.append((name, e.path))
+                    out.append((name, -1, st.st_mtime_ns, st.st_ino))
+                    continue
+                st = e.stat()
+            except FileNotFoundError:
+                continue  # removed while listed: as if never there
+            out.append((name, st.st_size, st.st_mtime_ns, st.st_ino))
+    out.sort()
+    return tuple(out)
+
+
+def _base(catalog: Any, b: int, name: str) -> str | None:
+    """The local path the identity of field ``name`` of record ``b`` is taken at: its folder, the zip archive
+    holding it, or None (an object store, an HTTP server)."""
+    path = catalog.path(b, name)
+    if name in catalog.local_fields or "://" not in path and ".zip" not in path.lower():
+        return path
+    loc = locate(path)
+    if loc.is_local and not loc.archive:
+        return loc.path or path
+    if loc.archive and loc.root:
+        return loc.root
+    return None
+
+
+def field_identity(catalog: Any, b: int, name: str) -> Files | None:
+    """What field ``name`` of record ``b`` of ``catalog`` stores now (see the module), or None where it cannot
+    be told cheaply (an object store, an HTTP server)."""
+    base = _base(catalog, b, name)
+    if base is None or not os.path.isfile(base):
+        return None if base is None else files_of(base)
+    try:  # a zip archive: its file
+        st = os.stat(base)
+    except OSError:
+        return ()
+    return (("", st.st_size, st.st_mtime_ns, st.st_ino),)
+
+
+def record_identity(catalog: Any, b: int, names: Sequence[str]) -> tuple[Files | None, ...]:
+    """:func:`field_identity` of each of ``names`` in record ``b``."""
+    return tuple(field_identity(catalog, b, name) for name in names)
+
+
+def unchanged(catalog: Any, b: int, names: Sequence[str], identity: tuple[Files | None, ...]) -> bool:
+    """Whether record ``b``'s ``names`` still hold what ``identity`` (:func:`record_identity`) says: a ``stat``
+    of each file and folder it lists, no listing (a file added or removed changes its folder's time)."""
+    for name, files in zip(names, identity):
+        if not files:
+            continue  # None: cannot be told; (): a missing folder, whose read failed
+        base = _base(catalog, b, name)
+        if base is None:
+            return False
+        for key, size, mtime, ino in files:
+            try:
+                st = os.stat(os.path.join(base, key) if key else base)
+            except OSError:
+                return False
+            if st.st_mtime_ns != mtime or st.st_ino != ino or (size >= 0 and st.st_size != size):
+                return False
+    return True
+
+
+def digest(files: Files | None) -> str | None:
+    """Hex digest of ``files``' keys, sizes and modification times (files only, not folders, and not inodes: a
+    copy that keeps times, on another node, digests alike); None for None."""
+    if files is None:
+        return None
+    return hashlib.sha256(json.dumps([f[:3] for f in files if f[1] >= 0]).encode()).hexdigest()[:32]
+
+
+def fields_digest(catalog: Any, b: int, names: Sequence[str]) -> dict[str, str | None]:
+    """``{field: digest}`` of record ``b``'s ``names``: what a result computed from them was computed from."""
+    return {name: digest(field_identity(catalog, b, name)) for name in names}
+
+
+def dataset_digest(catalog: Any, names: Sequence[str]) -> str:
+    """One hex digest of ``names`` in every record of ``catalog`` (size and time of each file, see
+    :func:`digest`): what statistics over them were computed from."""
+    h = hashlib.sha256()
+    for b in range(len(catalog.names)):
+        h.update(json.dumps(fields_digest(catalog, b, names), sort_keys=True).encode())
+    return h.hexdigest()
+
+
+__all__ = ["files_of", "field_identity", "record_identity", "unchanged", "digest", "fields_digest", "dataset_digest"]

@@ -1,0 +1,173 @@
+"""Records rewritten in place with the same shapes (new values, same metadata but the files): the sample cache,
+the preloaded samples, the statistics' sidecar and precomputed arrays must come back with the new values.
+Records written and rewritten by zarr-python; node-local copies (other inodes and times) in a real 2-rank
+gloo group."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+from stoker.records import ZarrRecords, compute_stats, precompute
+from stoker.records import sidecar
+from stoker.records.precomputed import stored_inputs
+from test_records import SPEC, write_dataset  # tests/ is on sys.path
+
+from gloo_ranks import gloo_group, spawn_ranks, write_result
+
+
+def rewrite(root: str, record: int, name: str, value: np.ndarray, in_place: bool) -> None:
+    """New values at the same shape and dtype: the array made again (``overwrite``: a new metadata document and
+    chunk files), or assigned into the existing one (chunk files only; the metadata document is untouched)."""
+    path = os.path.join(root, f"rec_{record:03d}.zarr")
+    if in_place:
+        zarr.open_array(os.path.join(path, name), mode="r+")[...] = value
+        return
+    g = zarr.open_group(path, mode="r+")
+    old = g[name]
+    g.create_array(name, data=value, chunks=old.chunks, overwrite=True)
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_the_sample_cache_serves_values_rewritten_at_the_same_shape(tmp_path, in_place):
+    root = str(tmp_path / "d")
+    truth = write_dataset(root, n=3)
+    ds = ZarrRecords(root, fields=SPEC, cache_bytes=1 << 24)
+    np.testing.assert_array_equal(ds[1]["positions"].numpy(), truth[1]["positions"])
+    ds[1]
+    assert ds.cache_info().hits == 1  # cached: the second read is a hit
+    new = np.full_like(truth[1]["positions"], 9.0)
+    rewrite(root, 1, "positions", new, in_place)
+    np.testing.assert_array_equal(ds[1]["positions"].numpy(), new)  # not the cached old values
+    np.testing.assert_array_equal(ds[1]["velocity"].numpy(), truth[1]["velocity"])
+    info = ds.cache_info()
+    assert (info.hits, info.misses) == (2, 2)  # the stale entry counted as a miss, the fresh one then hit
+    assert info.entries == 1
+    np.testing.assert_array_equal(ds.read(1, ["positions"])["positions"].numpy(), new)
+
+
+@pytest.mark.parametrize("fmt", [2, 3])
+def test_the_sample_cache_sees_chunks_written_where_there_were_none(tmp_path, fmt):
+    # An array made of its fill value alone stores no chunk file; values written later add files (and folders
+    # for v3's c/... keys): no listed file changed, the folders' times say something was added.
+    root = str(tmp_path / "d")
+    for i in range(2):
+        g = zarr.open_group(os.path.join(root, f"rec_{i:03d}.zarr"), mode="w", zarr_format=fmt)
+        g.create_array("grid", shape=(8, 4), chunks=(2, 2), dtype="f4", fill_value=0)
+    ds = ZarrRecords(root, fields=["grid"], cache_bytes=1 << 20)
+    assert float(ds[1]["grid"].abs().sum()) == 0 and float(ds[1]["grid"].abs().sum()) == 0
+    new = np.arange(32, dtype="f4").reshape(8, 4)
+    zarr.open_array(os.path.join(root, "rec_001.zarr", "grid"), mode="r+")[4:6, 2:4] = new[4:6, 2:4]
+    want = np.zeros((8, 4), "f4")
+    want[4:6, 2:4] = new[4:6, 2:4]
+    np.testing.assert_array_equal(ds[1]["grid"].numpy(), want)
+    os.remove(os.path.join(root, "rec_001.zarr", "grid", *(("2.1",) if fmt == 2 else ("c", "2", "1"))))
+    np.testing.assert_array_equal(ds[1]["grid"].numpy(), np.zeros((8, 4), "f4"))  # a chunk deleted: fill again
+
+
+def test_preloaded_samples_are_read_again_once_rewritten(tmp_path):
+    root = str(tmp_path / "d")
+    truth = write_dataset(root, n=3)
+    ds = ZarrRecords(root, fields=SPEC, lazy=False)
+    part = ds.for_rank(1, 2)  # record 1, from the same preloaded samples
+    new = np.full_like(truth[1]["cells"], 1)
+    rewrite(root, 1, "cells", new, in_place=True)
+    np.testing.assert_array_equal(ds[1]["cells"].numpy(), new)
+    np.testing.assert_array_equal(part[0]["cells"].numpy(), new)  # the view checks on its own
+    np.testing.assert_array_equal(ds[0]["cells"].numpy(), truth[0]["cells"])
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_statistics_are_computed_again_after_a_same_shape_rewrite(tmp_path, in_place):
+    root = str(tmp_path / "d")
+    truth = write_dataset(root, n=4)
+    ds = ZarrRecords(root, fields=SPEC)
+    before = compute_stats(ds, ["positions"])["positions"]
+    new = truth[2]["positions"] * 3 + 100
+    rewrite(root, 2, "positions", new, in_place)
+    got = compute_stats(ZarrRecords(root, fields=SPEC), ["positions"])["positions"]
+    values = np.concatenate([(new if i == 2 else t["positions"]).reshape(-1, 3) for i, t in enumerate(truth)])
+    np.testing.assert_allclose(got.mean.numpy(), values.astype("f8").mean(axis=0), rtol=1e-12)
+    np.testing.assert_allclose(got.max.numpy(), values.max(axis=0))
+    assert not torch.equal(got.mean, before.mean)
+    # a field the statistics do not cover changes nothing: the entry is used as it is
+    mtime = os.stat(sidecar.path_for(root)).st_mtime_ns
+    rewrite(root, 2, "velocity", truth[2]["velocity"] + 1, in_place)
+    again = compute_stats(ZarrRecords(root, fields=SPEC), ["positions"])["positions"]
+    assert torch.equal(again.mean, got.mean) and os.stat(sidecar.path_for(root)).st_mtime_ns == mtime
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_precomputed_arrays_are_computed_again_after_a_same_shape_rewrite(tmp_path, in_place):
+    root = str(tmp_path / "d")
+    truth = write_dataset(root, n=3)
+
+    def total(s):
+        return s["positions"].sum(dim=(0, 1)).double()
+
+    def run():
+        return precompute(ZarrRecords(root, fields=["positions", "cells"]), "total", total, {"v": 1})
+
+    assert run().written == 3
+    assert run().written == 0  # nothing changed: every record skipped
+    new = truth[1]["positions"] + 1
+    rewrite(root, 1, "positions", new, in_place)
+    res = run()
+    assert (res.written, res.skipped) == (1, 2)  # the rewritten record alone
+    got = ZarrRecords(root, fields=["total"])[1]["total"].numpy()
+    np.testing.assert_allclose(got, new.astype("f8").sum(axis=(0, 1)), rtol=1e-6)
+    assert run().written == 0
+
+
+# -- node-local copies ------------------------------------------------------------------------------------------
+
+
+def test_a_copy_that_keeps_times_keeps_its_caches_one_that_does_not_recomputes(tmp_path):
+    root = str(tmp_path / "d")
+    write_dataset(root, n=3)
+    stats = compute_stats(ZarrRecords(root, fields=SPEC), ["positions"])
+    precompute(ZarrRecords(root, fields=["positions"]), "total", lambda s: s["positions"].sum(), {"v": 1})
+    kept = str(tmp_path / "kept")
+    shutil.copytree(root, kept)  # copy2: times kept, inodes new (as rsync -a to a node's disk)
+    ino = os.stat(sidecar.path_for(kept)).st_ino
+    assert torch.equal(compute_stats(ZarrRecords(kept, fields=SPEC), ["positions"])["positions"].mean,
+                       stats["positions"].mean)
+    assert os.stat(sidecar.path_for(kept)).st_ino == ino  # the entry was used, not written again
+    assert precompute(ZarrRecords(kept, fields=["positions"]), "total", lambda s: s["positions"].sum(),
+                      {"v": 1}).written == 0
+    fresh = str(tmp_path / "fresh")
+    shutil.copytree(root, fresh, copy_function=shutil.copy)  # times not kept: other files, as far as is known
+    assert precompute(ZarrRecords(fresh, fields=["positions"]), "total", lambda s: s["positions"].sum(),
+                      {"v": 1}).written == 3
+    assert stored_inputs(os.path.join(fresh, "rec_000.zarr"), "total")["positions"][2] is not None
+
+
+def _copies_worker(rank: int, world: int, tmp: str, roots: list) -> None:
+    with gloo_group(rank, world, tmp, 30):
+        ds = ZarrRecords(roots[rank], fields=SPEC)  # each rank its own node's copy
+        out = {}
+        try:
+            out["mean"] = compute_stats(ds, ["positions", "velocity"])["positions"].mean.tolist()
+        except Exception as exc:  # noqa: BLE001 - what each rank saw is the result
+            out["raised"] = f"{type(exc).__name__}: {exc}"
+        write_result(tmp, rank, out)
+
+
+@pytest.mark.timeout(120)
+def test_node_local_copies_pass_the_cross_rank_check(tmp_path):
+    root = str(tmp_path / "node0")
+    truth = write_dataset(root, n=5)
+    copy = str(tmp_path / "node1")
+    shutil.copytree(root, copy, copy_function=shutil.copy)  # other inodes and modification times
+    a, b = (os.stat(os.path.join(r, "rec_000.zarr", "positions", "zarr.json")) for r in (root, copy))
+    assert (a.st_ino, a.st_mtime_ns) != (b.st_ino, b.st_mtime_ns)
+    results = spawn_ranks(_copies_worker, 2, tmp_path, [root, copy])
+    assert "raised" not in results[0] and "raised" not in results[1], results
+    values = np.concatenate([t["positions"].reshape(-1, 3) for t in truth]).astype("f8")
+    np.testing.assert_allclose(results[0]["mean"], values.mean(axis=0), rtol=1e-12)
+    assert results[1]["mean"] == results[0]["mean"]
