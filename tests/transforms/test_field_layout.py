@@ -553,3 +553,34 @@ def test_crop_batches_refused_at_push_can_be_iterated_again(vol):
         for _ in range(2):
             with pytest.raises(stoker.InvalidArgument, match="other centres"):
                 iter(data)
+
+
+flip = RandomFlip(axes=(-1,))  # a module's flip (another pipeline's) that the transform below does not use
+
+
+def _tensor_flip_only(batch, keys):
+    batch["x"] = batch["x"].flip(-1)  # torch's flip: an attribute named like the global above, not it
+    return batch
+
+
+def test_a_method_named_like_a_global_flip_is_not_taken_for_it():
+    from stoker.transforms.layout import find_geometric
+    assert find_geometric(_tensor_flip_only) == []
+    assert find_geometric(lambda b, k: flip(b, k)) == [flip]
+
+
+def test_a_slotted_flip_of_ones_own_that_opts_out_is_left_out():
+    import dataclasses
+
+    from stoker.transforms.layout import find_geometric
+
+    @dataclasses.dataclass(slots=True)
+    class MyFlip:
+        about: str = "own_centre"
+
+        def check_layout(self, layout, where):
+            raise AssertionError("not to be asked")
+
+    assert find_geometric(MyFlip()) == []
+    checked = MyFlip(about="centre")
+    assert find_geometric(checked) == [checked]

@@ -16,6 +16,7 @@ InvalidArgument: RandomFlip(...): RandomCrops volume 0: the fields' boxes have o
 from __future__ import annotations
 
 import collections
+import dis
 import functools
 import inspect
 import itertools
@@ -93,7 +94,11 @@ def _geometric(obj: Any) -> Any:
     if not callable(inspect.getattr_static(obj, "check_layout", None)):
         return None
     about = inspect.getattr_static(obj, "about", None)
-    return obj.about if isinstance(about, property) else about
+    if isinstance(about, property):
+        return obj.about
+    if isinstance(about, types.MemberDescriptorType):  # a slot's (``__slots__``, ``dataclass(slots=True)``)
+        return _slot(obj, "about")
+    return about
 
 
 def _parts(obj: Any) -> Iterable[Any]:
@@ -112,7 +117,7 @@ def _parts(obj: Any) -> Iterable[Any]:
     if isinstance(obj, property):
         return [obj.fget]
     if isinstance(obj, types.FunctionType):  # its closure, and the module globals its code names (FLIP(batch))
-        used = [obj.__globals__[n] for n in obj.__code__.co_names if n in obj.__globals__]
+        used = [obj.__globals__[n] for n in _globals_loaded(obj.__code__) if n in obj.__globals__]
         return [c.cell_contents for c in obj.__closure__ or () if _filled(c)] + used
     if _foreign(type(obj)):
         return []
@@ -135,6 +140,13 @@ _CLASS_PLUMBING = frozenset({"__dict__", "__weakref__", "__module__", "__doc__",
 def _foreign(cls: type) -> bool:
     """A class of torch, numpy or the builtins: its objects hold no transform of the user's."""
     return str(getattr(cls, "__module__", "")).split(".")[0] in ("torch", "numpy", "builtins")
+
+
+def _globals_loaded(code: types.CodeType) -> list[str]:
+    """The global names ``code`` loads (``FLIP(b, k)``), not every name it holds: ``co_names`` has attribute
+    and method names too, and ``x.flip(-1)`` must not find a module's unrelated ``flip = RandomFlip()``."""
+    return [i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")
+            and isinstance(i.argval, str)]
 
 
 def _slot(obj: Any, name: str) -> Any:

@@ -94,7 +94,7 @@ class LayoutGuard:
                 source._spacing_cache = known
             except AttributeError:  # a subclass with __slots__: read by each pipeline
                 pass
-        for uri, spacing in known.items():
+        for uri, spacing in list(known.items()):  # (another pipeline pushing the source may add to it)
             self._spacings.setdefault(uri, spacing)
         for i, mv in enumerate(volumes):
             vol = mv.volume
