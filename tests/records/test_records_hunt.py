@@ -90,6 +90,23 @@ def test_an_index_outside_its_own_record_is_refused_not_shifted_into_another(tmp
     assert np.array_equal(Concat(increment={"nbr": "points"})(good)["nbr"].numpy(), want)
 
 
+def test_exclusive_end_bounds_may_equal_the_rows_when_named_in_ends():
+    # Segment stops (a CSR indptr's ends) equal their record's rows: shifted, the next sample's start, right;
+    # refused unless named (an edge_index holding its record's row count points at the next record's node 0).
+    s0 = {"atoms": torch.zeros(5, 3), "start": torch.tensor([0, 2]), "stop": torch.tensor([2, 5])}
+    s1 = {"atoms": torch.zeros(4, 3), "start": torch.tensor([0, 1]), "stop": torch.tensor([1, 4])}
+    with pytest.raises(InvalidArgument, match=r"ends=\{'stop'\}"):
+        Concat(increment={"start": "atoms", "stop": "atoms"})([s0, s1])
+    batch = Concat(increment={"start": "atoms", "stop": "atoms"}, ends={"stop"})([s0, s1])
+    assert batch["start"].tolist() == [0, 2, 5, 6] and batch["stop"].tolist() == [2, 5, 6, 9]
+    atoms = torch.cat([s0["atoms"], s1["atoms"]])
+    assert all(batch["stop"][i] <= len(atoms) for i in range(4))
+    s1["stop"] = torch.tensor([1, 5])  # past the record's end even as an end bound
+    with pytest.raises(InvalidArgument, match="index 5, outside the 4 rows"):
+        Concat(increment={"start": "atoms", "stop": "atoms"}, ends={"stop"})([s0, s1])
+    with pytest.raises(InvalidArgument, match="not increment fields"):
+        Concat(increment={"start": "atoms"}, ends={"stop"})
+
 def test_a_pad_value_the_field_cannot_hold_is_refused_not_changed(tmp_path):
     # Pad(-1) on uint8 labels (an ignore_index) was 255, Pad(0.5) on int32 was 0: another value, silently.
     for i, n in enumerate((2, 3)):

@@ -27,7 +27,7 @@ in both: ``Concat`` joins it as shape ``(1,)`` (with its ``_batch``), ``Pad`` st
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping, Sequence, Union
+from typing import Any, Callable, Collection, Mapping, Sequence, Union
 
 import numpy as np
 import torch
@@ -141,15 +141,25 @@ class Concat:
     vector per joined dim: the *node* dim's (the dim that ``increment`` points into,
     or the only joined one) is ``batch_key`` (PyG's ``"batch"`` by default), every
     other ``{dim}_batch``. ``dims`` maps fields to specs, as ``ds.dims`` gives them.
+
+    Each sample's values of an ``increment`` field must index its own rows (``0 <= i < rows``): a ``-1`` for
+    "none", or an index past the record, would point at another sample's rows once offset (InvalidArgument).
+    ``ends`` names those of them that hold exclusive end bounds (a CSR ``indptr``, segment stops), which may
+    also equal the rows (``Concat(increment={"indptr": "edges"}, ends={"indptr"})``).
     """
 
     def __init__(self, increment: Mapping[str, str] | None = None,
                  along: Mapping[str, Sequence[str]] | None = None, batch_key: str | None = None,
-                 dims: Mapping[str, Spec] | None = None) -> None:
+                 dims: Mapping[str, Spec] | None = None, ends: Collection[str] = ()) -> None:
         self.increment = dict(increment or {})
         for key, target in self.increment.items():
             if not isinstance(key, str) or not isinstance(target, str):
                 raise InvalidArgument(f"increment maps field names to field or dim names, got {key!r}: {target!r}")
+        self.ends = frozenset([ends] if isinstance(ends, str) else ends)
+        if not self.ends <= set(self.increment):
+            raise InvalidArgument(f"ends {sorted(self.ends - set(self.increment))} are not increment fields "
+                                  f"({sorted(self.increment)}): ends names index fields holding exclusive end bounds",
+                                  knob="ends")
         self.along: dict[str, list[str]] | None = None
         if along is not None:
             if not isinstance(along, Mapping):
@@ -179,7 +189,7 @@ class Concat:
         specs = getattr(ds, "dims", None)
         if self.dims is not None or not isinstance(specs, Mapping) or not any(v is not None for v in specs.values()):
             return self
-        bound = Concat(self.increment, self.along, self.batch_key, specs)
+        bound = Concat(self.increment, self.along, self.batch_key, specs, self.ends)
         if callable(getattr(ds, "base_shapes", None)):
             bound._varying = {name: _varying(ds, name, tuple(spec)) for name, spec in specs.items() if spec}
         bound._plan_auto()  # a field with two varying dims fails here, before any batch
@@ -274,7 +284,7 @@ class Concat:
         offsets = self._offsets(fields, plan, sizes, axes, legacy)
         for name, ts in fields.items():
             if name in offsets:
-                ts = _shift(name, ts, *offsets[name])
+                ts = _shift(name, ts, *offsets[name], end=name in self.ends)
             if name in legacy:
                 ts = [t.reshape(1) if t.ndim == 0 else t for t in ts]
                 _same_but(name, ts, 0, "only the first dim may differ: give the field dims in the dataset's "
@@ -349,7 +359,7 @@ class Concat:
         for key, ts in fields.items():
             if key in self.increment:
                 rows = [t.shape[0] for t in fields[self.increment[key]]]
-                ts = _shift(key, ts, np.cumsum([0] + rows[:-1]).tolist(), rows)
+                ts = _shift(key, ts, np.cumsum([0] + rows[:-1]).tolist(), rows, end=key in self.ends)
             out[key] = torch.cat(ts, dim=0)
             sizes = torch.tensor([t.shape[0] for t in ts], dtype=torch.long)
             out[f"{key}_batch"] = torch.repeat_interleave(torch.arange(len(ts)), sizes)
@@ -357,6 +367,8 @@ class Concat:
 
     def __repr__(self) -> str:
         args = [f"increment={self.increment}"] if self.increment else []
+        if self.ends:
+            args.append(f"ends={set(sorted(self.ends))}")
         if self.along is not None:
             args.append(f"along={self.along}")
         if self.batch_key is not None:
@@ -364,10 +376,12 @@ class Concat:
         return f"Concat({', '.join(args)})"
 
 
-def _shift(key: str, ts: Sequence[torch.Tensor], offsets: Sequence[int], rows: Sequence[int]) -> list[torch.Tensor]:
+def _shift(key: str, ts: Sequence[torch.Tensor], offsets: Sequence[int], rows: Sequence[int],
+           end: bool = False) -> list[torch.Tensor]:
     """Index tensors ``ts`` plus their samples' ``offsets``, in their own dtype. Each sample's indices must lie in
     ``[0, rows[j])``, the size of what they index in that sample: offset into the batch, a -1 sentinel or an index
-    past its own sample would point at another sample's rows (InvalidArgument). A DtypeMismatch where a shifted
+    past its own sample would point at another sample's rows (InvalidArgument); ``end``: they are exclusive end
+    bounds, which may also equal ``rows[j]`` (the next sample's start once offset). A DtypeMismatch where a shifted
     index would not fit the dtype (torch would wrap it around silently: uint8 255 + 1 is 0)."""
     out = []
     for j, (t, off, n) in enumerate(zip(ts, offsets, rows)):
@@ -385,13 +399,16 @@ def _shift(key: str, ts: Sequence[torch.Tensor], offsets: Sequence[int], rows: S
                         f"increment {key!r}: sample {j}'s indices reach {top} in the batch, beyond what {t.dtype} "
                         f"holds ({most}); store the field as int64 (or int32), or cast it in the Loader's "
                         "transform=", field=key, position=j)
-            if low < 0 or high >= n:
+            if low < 0 or high > n - (not end):
                 bad = low if low < 0 else high
+                hint = "" if end or high != n else (
+                    f"; if {key!r} holds exclusive end bounds (a CSR indptr, segment stops), which may equal the "
+                    f"rows, say so: Concat(..., ends={{{key!r}}})")
                 raise InvalidArgument(
                     f"increment {key!r}: sample {j} holds index {bad}, outside the {n} rows it indexes (0 to "
-                    f"{n - 1}); offset by {off} into the batch it would point at another sample's rows. Fix the "
-                    "record, or map such values (a -1 for 'none') in the Loader's transform= or a collate of your "
-                    "own", field=key, position=j, index=bad)
+                    f"{n - (not end)}); offset by {off} into the batch it would point at another sample's rows. Fix "
+                    "the record, or map such values (a -1 for 'none') in the Loader's transform= or a collate of "
+                    f"your own{hint}", field=key, position=j, index=bad)
         out.append((v + off).to(t.dtype))
     return out
 
