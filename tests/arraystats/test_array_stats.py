@@ -406,6 +406,18 @@ def test_one_array_s_scalar_statistics_on_an_array_with_a_channel_axis_are_refus
                 pass
 
 
+def test_one_array_s_scalar_statistics_fit_its_squeezed_2d_slices(tmp_path):
+    """2-D training from a 3-D volume: (1, H, W) crops squeezed to (B, H, W) hold no channels: normalised by
+    the volume's statistics, as numpy does."""
+    rng = np.random.default_rng(5)
+    data = rng.normal(3, 2, size=(4, 8, 8)).astype(np.float32)
+    vol = write(tmp_path / "v.zarr", data, (2, 8, 8))
+    st = stoker.compute_stats(vol, cache=False, progress=False)
+    batch = torch.from_numpy(data[:2].copy())  # two squeezed slices
+    out = Normalize.from_stats(st)(batch.clone())
+    want = (data[:2] - float(st.mean)) / float(st.std)
+    np.testing.assert_allclose(out.numpy(), want, rtol=1e-6, atol=1e-6)
+
 def test_from_stats_passes_keywords_to_the_constructor(arrays):
     class Named(Normalize):  # a Normalize that takes one more keyword (as field= is for named fields)
         def __init__(self, mean, std, field=None):

@@ -180,8 +180,8 @@ class Normalize:
         """A typed error unless ``x`` is a batch of crops of an array of ``n`` axes (or of a list of one such
         array), which scalar statistics of one array of ``n`` axes fit: another batch has channels (several
         arrays stacked, or a channel axis of another array) that one array's mean and std would all shift
-        alike, silently."""
-        if x.dim() == n + 1 or (x.dim() == n + 2 and x.shape[1] == 1):
+        alike, silently. Fewer axes (2-D slices of a 3-D array, squeezed) hold no more channels than its crops."""
+        if x.dim() <= n + 1 or (x.dim() == n + 2 and x.shape[1] == 1):
             return
         channels = (f"{x.shape[1]} channels on axis 1 (several arrays stacked as channels, or an array with a "
                     "channel axis)" if x.dim() == n + 2 else
