@@ -36,7 +36,7 @@ from ..errors import InvalidArgument, MetadataError, OutOfBounds
 from ..storage import LocalStore
 from ..storage.locate import Stores, locate
 from .catalog import TIME_DIM, Catalog, FieldsArg, scan
-from .identity import record_identity, unchanged
+from .identity import dataset_digest, fields_digest, record_identity, unchanged
 
 Sample = dict[str, torch.Tensor]
 
@@ -321,6 +321,19 @@ class ZarrRecords(torch.utils.data.Dataset):
             name: FieldInfo(self._out_shape(b, name), cat.dtype(b, name), cat.shape(b, name)) for name in cat.fields
         }
         return SampleInfo(cat.names[b], cat.path(b), fields)
+
+    def files_digest(self, i: int, names: Sequence[str]) -> dict[str, str | None]:
+        """``{field: digest}`` of the size and modification time of each file of record ``i``'s ``names`` (None
+        for a field in an object store): what a result computed from them was computed from.
+
+        >>> ds.files_digest(0, ["points"])        # {'points': '3f2a...'}
+        """
+        return fields_digest(self._catalog, self._base_index(i), names)
+
+    def dataset_digest(self, names: Sequence[str]) -> str:
+        """One digest of ``names``' files in every record of the full dataset (see :meth:`files_digest`): what
+        statistics over them were computed from."""
+        return dataset_digest(self._catalog, names)
 
     def base_shapes(self, name: str) -> np.ndarray:
         """``(base_size, ndim)`` shapes of field ``name`` in every record of the full dataset, as returned."""

@@ -60,7 +60,6 @@ import torch
 from ..dist.collectives import all_gather, group_position
 from ..errors import DtypeMismatch, InvalidArgument, StokerError, StorageError
 from .dataset import Sample, ZarrRecords, rank_part
-from .identity import fields_digest
 from .stats import FieldStats, normalize, stats_fingerprint
 from ..storage.fsutil import claim, fsync_tree, make_sibling_dir, place_dir, remove_dead_siblings, try_claim
 from ..storage import read_regular
@@ -151,7 +150,7 @@ def record_inputs(ds: ZarrRecords, i: int, name: str) -> dict[str, list]:
     file of the field (:func:`stoker.records.identity.fields_digest`; None for a field in an object store)."""
     info = ds.metadata(i)
     others = [f for f in sorted(info.fields) if f != name]
-    files = fields_digest(ds._catalog, ds._base_index(i), others)
+    files = ds.files_digest(i, others)
     return {f: [list(info.fields[f].stored_shape), np.dtype(info.fields[f].dtype).str, files[f]] for f in others}
 
 

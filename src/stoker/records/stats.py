@@ -60,7 +60,6 @@ from ..storage.artifacts import dataset_dir, dataset_identity
 from ..storage.locate import locate
 from . import sidecar
 from .dataset import Sample, ZarrRecords, base_subset, rank_part
-from .identity import dataset_digest
 from .moments import F64, Moments
 
 Derived = Callable[[Sample], torch.Tensor]
@@ -574,7 +573,7 @@ def compute_stats(
     folder = _folder(ds) if cache else None
     # What the covered fields' files are now (this node's copy; taken before reading, so a write during the
     # computation shows as a change next time): an entry of other files is not used.
-    files = dataset_digest(ds._catalog, list(ds.fields) if derived else names) if cache and (lead or world == 1) else None
+    files = ds.dataset_digest(list(ds.fields) if derived else names) if cache and (lead or world == 1) else None
     held, entry = cached_entry(folder, fp, lead, world, group, files) if cache else (None, None)
     try:
         loaded = _from_entry(entry, expect, list(derived)) if entry is not None else None
