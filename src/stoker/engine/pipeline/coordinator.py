@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import itertools
 import json
 import os
@@ -41,6 +42,7 @@ from ...storage.local import identity
 from ...storage.locate import Stores, locate, options_for
 from ...storage.uri import REMOTE_SCHEMES
 from ...zarr.box import check_in_bounds
+from ...zarr.metadata import ArrayMetadata
 from ..cast import HALF_EXACT_UP_TO, batch_dtype
 from ..cpu import native
 from ..cpu.cf import check_output, packed
@@ -812,7 +814,7 @@ def _renewed_alike(uri: str, reader: ArrayReader, store: LocalStore) -> bool:
     held = reader.derived.get("documents")
     old_attrs = held[0] if isinstance(held, tuple) else None
     try:
-        if read_metadata(local[0], store, uri=uri, stats=local[1][:2]) != reader.metadata:
+        if not _same_metadata(read_metadata(local[0], store, uri=uri, stats=local[1][:2]), reader.metadata):
             return False
         if old_attrs is not None:
             if reader.zarr_format == 3:
@@ -826,6 +828,14 @@ def _renewed_alike(uri: str, reader: ArrayReader, store: LocalStore) -> bool:
     reader.derived["metadata_files"] = metas
     reader.derived["metadata_found"] = found
     return True
+
+
+def _same_metadata(new: ArrayMetadata, old: ArrayMetadata) -> bool:
+    """``new == old``, their fill values compared by their bytes: a NaN fill value (xarray's) equals itself."""
+    a, b = new.fill_value, old.fill_value
+    if a.dtype != b.dtype or a.tobytes() != b.tobytes():
+        return False
+    return dataclasses.replace(new, fill_value=b) == old
 
 
 def _json_file(path: str) -> Any:
