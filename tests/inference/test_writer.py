@@ -645,3 +645,20 @@ def test_the_blend_does_not_depend_on_the_order_tiles_come(volume, tmp_path, mon
         w.close()
         arrays.append(zarr.open_array(out)[:])
     np.testing.assert_array_equal(arrays[0].view("u8"), arrays[1].view("u8"))
+
+
+def test_shards_that_are_not_whole_chunks_are_an_invalid_argument(tmp_path):
+    """TileWriter(chunks=(4, 8, 8), shards=(6, 16, 16)) raised zarr-python's ValueError, none of stoker's errors,
+    and on rank 0 only (the one that makes the array); now an InvalidArgument naming shards on every rank before
+    anything is made, and the same writer with whole shards then makes the array zarr-python reads back."""
+    out = str(tmp_path / "o.zarr")
+    with pytest.raises(stoker.InvalidArgument, match="whole number of chunks") as err:
+        stoker.TileWriter(out, SHAPE, (4, 8, 8), "f4", shards=(6, 16, 16))
+    assert err.value.knob == "shards" and not os.path.exists(out)
+    with pytest.raises(stoker.InvalidArgument, match="one integer >= 1 per axis") as err:
+        stoker.TileWriter(out, SHAPE, (4, 8), "f4")
+    assert err.value.knob == "chunks" and not os.path.exists(out)
+    stoker.TileWriter(out, SHAPE, (4, 8, 8), "f4", shards=(8, 16, 16)).close()
+    arr = zarr.open_array(out, mode="r")
+    assert arr.shards == (8, 16, 16) and arr.chunks == (4, 8, 8)
+

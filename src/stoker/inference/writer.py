@@ -537,6 +537,7 @@ class TileWriter:
         if shards is not None and zarr_format == 2:
             raise InvalidArgument(f"TileWriter(shards={tuple(shards)}, zarr_format=2): Zarr v2 has no shards; use "
                                   "zarr_format=3 for a sharded output, or leave shards out", knob="shards")
+        _check_layout(str(uri), tuple(shape), tuple(chunks), None if shards is None else tuple(shards))
         self.uri, self.blend, self.group = str(uri), blend, group
         position = group_position(group)  # (0, 1) without a process group of several ranks
         if position[1] > 1:  # those not given: the group's (a subgroup's, not the default group's)
@@ -969,6 +970,21 @@ def _check_rank(uri: str, shape: tuple[int, ...], ndim: int) -> None:
     if len(shape) not in (ndim, ndim + 1):
         raise InvalidArgument(f"{uri}: shape {shape} is neither the {ndim}-d volume of the tiles nor it with a "
                               "channel axis first", uri=uri)
+
+
+def _check_layout(uri: str, shape: tuple, chunks: tuple, shards: tuple | None) -> None:
+    """InvalidArgument unless ``chunks`` (and ``shards``) have one positive integer per axis of ``shape``, each
+    shard a whole number of chunks: checked on every rank before anything is made (zarr-python's own refusal
+    was a ValueError on rank 0 only, at the array's creation)."""
+    for knob, sizes in (("chunks", chunks), ("shards", shards)):
+        if sizes is not None and (len(sizes) != len(shape) or not all(
+                isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 1 for n in sizes)):
+            raise InvalidArgument(f"TileWriter({knob}={sizes}): one integer >= 1 per axis of the shape {shape}",
+                                  uri=uri, knob=knob)
+    if shards is not None and any(s % c for s, c in zip(shards, chunks)):
+        raise InvalidArgument(f"TileWriter(shards={shards}): each shard must hold a whole number of chunks "
+                              f"{chunks} on every axis; use shards that are multiples of the chunks", uri=uri,
+                              knob="shards")
 
 
 def _check_existing(uri: str, arr: Any, shape: tuple[int, ...], dtype: np.dtype, chunks: tuple[int, ...],
