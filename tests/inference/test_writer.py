@@ -662,3 +662,23 @@ def test_shards_that_are_not_whole_chunks_are_an_invalid_argument(tmp_path):
     arr = zarr.open_array(out, mode="r")
     assert arr.shards == (8, 16, 16) and arr.chunks == (4, 8, 8)
 
+
+def test_a_tile_cropped_away_whole_is_an_invalid_argument(volume, tmp_path):
+    """Without grid=, a crop of half the tile or more cropped an inner tile away whole and write() went on
+    silently: its voxels kept the fill value (a 13x29x17 volume of 8x10x9 tiles, crop 4 on axis 0: nothing
+    written). Now the batch is refused (InvalidArgument, knob crop) before any of it is taken; a tile on both
+    borders of an axis keeps that axis whole, and is still written."""
+    uri, data = volume
+    out = str(tmp_path / "o.zarr")
+    inner = stoker.Sample(uri, [(4, 12), (10, 20), (4, 13)])
+    writer = stoker.TileWriter(out, SHAPE, (4, 8, 8), "f4", crop=(4, 2, 2))
+    with pytest.raises(stoker.InvalidArgument, match="cropped away whole") as err:
+        writer.write([inner], np.ones((1,) + TILE, "f4"))
+    assert err.value.knob == "crop"
+    whole = stoker.Sample(uri, [(0, 13), (10, 20), (4, 13)])  # spans axis 0: its border sides are kept
+    writer.write([whole], np.ones((1, 13, 10, 9), "f4"))
+    writer.close()
+    got = zarr.open_array(out, mode="r")[:]
+    expect = np.zeros(SHAPE, "f4")
+    expect[0:13, 12:18, 6:11] = 1
+    np.testing.assert_array_equal(got, expect)

@@ -791,7 +791,10 @@ class TileWriter:
                                       f"(spatial shape {self.spatial}; its kept box is {out}): give it pad= "
                                       "(as TileGrid(pad=...) does), or keep its box inside the array", uri=self.uri)
             if any(b <= a for a, b in out):
-                continue  # cropped away whole
+                # nothing of it would be written, and the voxels only it covers would keep the fill value
+                raise InvalidArgument(f"TileWriter(crop={self._crop_arg}): the sample {s!r} is cropped away whole "
+                                      f"(its kept box is {out}): use a crop under half the tile on each axis",
+                                      uri=self.uri, knob="crop")
             cut = self._cuts.get((key, s.pad is not None))
             start, pieces = cut if cut is not None else self._cut_of(key, s.pad is not None)
             for r, box, at in pieces:
