@@ -682,3 +682,19 @@ def test_a_tile_cropped_away_whole_is_an_invalid_argument(volume, tmp_path):
     expect = np.zeros(SHAPE, "f4")
     expect[0:13, 12:18, 6:11] = 1
     np.testing.assert_array_equal(got, expect)
+
+
+def test_an_unreachable_object_store_is_a_storage_error(tmp_path):
+    """TileWriter("s3://...") whose endpoint does not answer raised obstore's GenericError from opening the
+    array, none of stoker's errors (the writes after it are StorageErrors); a StorageError naming the URI now.
+    The endpoint is a loopback port nobody listens on: every request is refused at once."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: connections to it are refused
+    options = {"endpoint": f"http://127.0.0.1:{port}", "allow_http": True, "region": "us-east-1",
+               "access_key_id": "x", "secret_access_key": "y", "retries": 0, "timeout_s": 5}
+    with pytest.raises(stoker.StorageError, match="reading the array's metadata") as err:
+        stoker.TileWriter("s3://bkt/o.zarr", SHAPE, (4, 8, 8), "f4", storage_options=options)
+    assert err.value.uri == "s3://bkt/o.zarr"

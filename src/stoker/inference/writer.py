@@ -1018,6 +1018,15 @@ def _open_output(store: Any, uri: str) -> Any:
     except zarr.errors.NodeTypeValidationError:  # type: ignore[attr-defined]
         raise InvalidArgument(f"{uri} is a Zarr group, not an array: give the URI of an array to write (one "
                               "inside it, such as its labels' level, or a new path)", uri=uri) from None
+    except (FileNotFoundError, KeyError, zarr.errors.NodeNotFoundError):  # type: ignore[attr-defined]
+        raise  # no array there: the caller makes it
+    except Exception as exc:  # the store failed (an endpoint down, denied): obstore's own error or an OSError
+        if not isinstance(exc, OSError) and type(exc).__module__.split(".")[0] != "obstore":
+            raise
+        text = str(exc).split("\n")[0][:300]
+        raise StorageError(f"{uri}: reading the array's metadata through zarr-python failed ({type(exc).__name__}: "
+                           f"{text}); check the URI, the bucket, credentials and endpoint (storage_options or the "
+                           "environment)", uri=uri, key=None, status=None, attempts=None) from exc
 
 
 def _crops(crop: Any, ndim: int) -> tuple[int, ...]:
