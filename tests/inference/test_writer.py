@@ -645,3 +645,56 @@ def test_the_blend_does_not_depend_on_the_order_tiles_come(volume, tmp_path, mon
         w.close()
         arrays.append(zarr.open_array(out)[:])
     np.testing.assert_array_equal(arrays[0].view("u8"), arrays[1].view("u8"))
+
+
+def test_shards_that_are_not_whole_chunks_are_an_invalid_argument(tmp_path):
+    """TileWriter(chunks=(4, 8, 8), shards=(6, 16, 16)) raised zarr-python's ValueError, none of stoker's errors,
+    and on rank 0 only (the one that makes the array); now an InvalidArgument naming shards on every rank before
+    anything is made, and the same writer with whole shards then makes the array zarr-python reads back."""
+    out = str(tmp_path / "o.zarr")
+    with pytest.raises(stoker.InvalidArgument, match="whole number of chunks") as err:
+        stoker.TileWriter(out, SHAPE, (4, 8, 8), "f4", shards=(6, 16, 16))
+    assert err.value.knob == "shards" and not os.path.exists(out)
+    with pytest.raises(stoker.InvalidArgument, match="one integer >= 1 per axis") as err:
+        stoker.TileWriter(out, SHAPE, (4, 8), "f4")
+    assert err.value.knob == "chunks" and not os.path.exists(out)
+    stoker.TileWriter(out, SHAPE, (4, 8, 8), "f4", shards=(8, 16, 16)).close()
+    arr = zarr.open_array(out, mode="r")
+    assert arr.shards == (8, 16, 16) and arr.chunks == (4, 8, 8)
+
+
+def test_a_tile_cropped_away_whole_is_an_invalid_argument(volume, tmp_path):
+    """Without grid=, a crop of half the tile or more cropped an inner tile away whole and write() went on
+    silently: its voxels kept the fill value (a 13x29x17 volume of 8x10x9 tiles, crop 4 on axis 0: nothing
+    written). Now the batch is refused (InvalidArgument, knob crop) before any of it is taken; a tile on both
+    borders of an axis keeps that axis whole, and is still written."""
+    uri, data = volume
+    out = str(tmp_path / "o.zarr")
+    inner = stoker.Sample(uri, [(4, 12), (10, 20), (4, 13)])
+    writer = stoker.TileWriter(out, SHAPE, (4, 8, 8), "f4", crop=(4, 2, 2))
+    with pytest.raises(stoker.InvalidArgument, match="cropped away whole") as err:
+        writer.write([inner], np.ones((1,) + TILE, "f4"))
+    assert err.value.knob == "crop"
+    whole = stoker.Sample(uri, [(0, 13), (10, 20), (4, 13)])  # spans axis 0: its border sides are kept
+    writer.write([whole], np.ones((1, 13, 10, 9), "f4"))
+    writer.close()
+    got = zarr.open_array(out, mode="r")[:]
+    expect = np.zeros(SHAPE, "f4")
+    expect[0:13, 12:18, 6:11] = 1
+    np.testing.assert_array_equal(got, expect)
+
+
+def test_an_unreachable_object_store_is_a_storage_error(tmp_path):
+    """TileWriter("s3://...") whose endpoint does not answer raised obstore's GenericError from opening the
+    array, none of stoker's errors (the writes after it are StorageErrors); a StorageError naming the URI now.
+    The endpoint is a loopback port nobody listens on: every request is refused at once."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: connections to it are refused
+    options = {"endpoint": f"http://127.0.0.1:{port}", "allow_http": True, "region": "us-east-1",
+               "access_key_id": "x", "secret_access_key": "y", "retries": 0, "timeout_s": 5}
+    with pytest.raises(stoker.StorageError, match="reading the array's metadata") as err:
+        stoker.TileWriter("s3://bkt/o.zarr", SHAPE, (4, 8, 8), "f4", storage_options=options)
+    assert err.value.uri == "s3://bkt/o.zarr"

@@ -537,6 +537,7 @@ class TileWriter:
         if shards is not None and zarr_format == 2:
             raise InvalidArgument(f"TileWriter(shards={tuple(shards)}, zarr_format=2): Zarr v2 has no shards; use "
                                   "zarr_format=3 for a sharded output, or leave shards out", knob="shards")
+        _check_layout(str(uri), tuple(shape), tuple(chunks), None if shards is None else tuple(shards))
         self.uri, self.blend, self.group = str(uri), blend, group
         position = group_position(group)  # (0, 1) without a process group of several ranks
         if position[1] > 1:  # those not given: the group's (a subgroup's, not the default group's)
@@ -790,7 +791,10 @@ class TileWriter:
                                       f"(spatial shape {self.spatial}; its kept box is {out}): give it pad= "
                                       "(as TileGrid(pad=...) does), or keep its box inside the array", uri=self.uri)
             if any(b <= a for a, b in out):
-                continue  # cropped away whole
+                # nothing of it would be written, and the voxels only it covers would keep the fill value
+                raise InvalidArgument(f"TileWriter(crop={self._crop_arg}): the sample {s!r} is cropped away whole "
+                                      f"(its kept box is {out}): use a crop under half the tile on each axis",
+                                      uri=self.uri, knob="crop")
             cut = self._cuts.get((key, s.pad is not None))
             start, pieces = cut if cut is not None else self._cut_of(key, s.pad is not None)
             for r, box, at in pieces:
@@ -971,6 +975,21 @@ def _check_rank(uri: str, shape: tuple[int, ...], ndim: int) -> None:
                               "channel axis first", uri=uri)
 
 
+def _check_layout(uri: str, shape: tuple, chunks: tuple, shards: tuple | None) -> None:
+    """InvalidArgument unless ``chunks`` (and ``shards``) have one positive integer per axis of ``shape``, each
+    shard a whole number of chunks: checked on every rank before anything is made (zarr-python's own refusal
+    was a ValueError on rank 0 only, at the array's creation)."""
+    for knob, sizes in (("chunks", chunks), ("shards", shards)):
+        if sizes is not None and (len(sizes) != len(shape) or not all(
+                isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 1 for n in sizes)):
+            raise InvalidArgument(f"TileWriter({knob}={sizes}): one integer >= 1 per axis of the shape {shape}",
+                                  uri=uri, knob=knob)
+    if shards is not None and any(s % c for s, c in zip(shards, chunks)):
+        raise InvalidArgument(f"TileWriter(shards={shards}): each shard must hold a whole number of chunks "
+                              f"{chunks} on every axis; use shards that are multiples of the chunks", uri=uri,
+                              knob="shards")
+
+
 def _check_existing(uri: str, arr: Any, shape: tuple[int, ...], dtype: np.dtype, chunks: tuple[int, ...],
                     shards: tuple[int, ...] | None) -> None:
     """InvalidArgument naming each setting where the array at ``uri`` (existing, or just made) is not what the
@@ -999,6 +1018,15 @@ def _open_output(store: Any, uri: str) -> Any:
     except zarr.errors.NodeTypeValidationError:  # type: ignore[attr-defined]
         raise InvalidArgument(f"{uri} is a Zarr group, not an array: give the URI of an array to write (one "
                               "inside it, such as its labels' level, or a new path)", uri=uri) from None
+    except (FileNotFoundError, KeyError, zarr.errors.NodeNotFoundError):  # type: ignore[attr-defined]
+        raise  # no array there: the caller makes it
+    except Exception as exc:  # the store failed (an endpoint down, denied): obstore's own error or an OSError
+        if not isinstance(exc, OSError) and type(exc).__module__.split(".")[0] != "obstore":
+            raise
+        text = str(exc).split("\n")[0][:300]
+        raise StorageError(f"{uri}: reading the array's metadata through zarr-python failed ({type(exc).__name__}: "
+                           f"{text}); check the URI, the bucket, credentials and endpoint (storage_options or the "
+                           "environment)", uri=uri, key=None, status=None, attempts=None) from exc
 
 
 def _crops(crop: Any, ndim: int) -> tuple[int, ...]:
