@@ -171,3 +171,25 @@ def test_node_local_copies_pass_the_cross_rank_check(tmp_path):
     values = np.concatenate([t["positions"].reshape(-1, 3) for t in truth]).astype("f8")
     np.testing.assert_allclose(results[0]["mean"], values.mean(axis=0), rtol=1e-12)
     assert results[1]["mean"] == results[0]["mean"]
+
+
+def test_an_entry_read_while_its_folder_was_missing_is_checked_again(tmp_path):
+    # A writer's overwrite=True removes the array's folder and writes it again: an identity taken in between
+    # is empty. What was read after it must not be served as unchanged through later rewrites.
+    root = str(tmp_path / "d")
+    truth = write_dataset(root, n=2)
+    ds = ZarrRecords(root, fields=SPEC, cache_bytes=1 << 24)
+    field = os.path.join(root, "rec_000.zarr", "positions")
+    shutil.move(field, field + ".away")
+    read = ds._read
+
+    def read_once_the_writer_is_done(b, names):
+        shutil.move(field + ".away", field)
+        return read(b, names)
+
+    ds._read = read_once_the_writer_is_done
+    np.testing.assert_array_equal(ds[0]["positions"].numpy(), truth[0]["positions"])
+    ds._read = read
+    new = np.full_like(truth[0]["positions"], 7.0)
+    rewrite(root, 0, "positions", new, in_place=False)
+    np.testing.assert_array_equal(ds[0]["positions"].numpy(), new)

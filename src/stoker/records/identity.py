@@ -103,8 +103,13 @@ def unchanged(catalog: Any, b: int, names: Sequence[str], identity: tuple[Files 
     """Whether record ``b``'s ``names`` still hold what ``identity`` (:func:`record_identity`) says: a ``stat``
     of each file and folder it lists, no listing (a file added or removed changes its folder's time)."""
     for name, files in zip(names, identity):
+        if files is None:
+            continue  # cannot be told cheaply: checked by shape and dtype only
         if not files:
-            continue  # None: cannot be told; (): a missing folder, whose read failed
+            # (): the folder was missing when the identity was taken (a writer's ``overwrite=True`` between
+            # its removal and its rewrite): what was read after it is of unknown origin, so never "unchanged"
+            # (an entry taken so would otherwise never be checked again and be served through later rewrites).
+            return False
         base = _base(catalog, b, name)
         if base is None:
             return False
