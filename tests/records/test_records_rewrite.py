@@ -193,3 +193,28 @@ def test_an_entry_read_while_its_folder_was_missing_is_checked_again(tmp_path):
     new = np.full_like(truth[0]["positions"], 7.0)
     rewrite(root, 0, "positions", new, in_place=False)
     np.testing.assert_array_equal(ds[0]["positions"].numpy(), new)
+
+
+def _zip_dataset(path: str, value: float) -> None:
+    """Two records in a zip archive written aside and renamed over ``path`` (a new archive, same shapes)."""
+    tmp = path + ".new"
+    store = zarr.storage.ZipStore(tmp, mode="w")
+    g = zarr.open_group(store, mode="w")
+    for i in range(2):
+        g.create_group(f"rec_{i}").create_array("x", data=np.full((4, 3), value + i, "f4"))
+    store.close()
+    os.replace(tmp, path)
+
+
+@pytest.mark.parametrize("lazy", [True, False])
+def test_a_replaced_zip_archive_is_read_again_through_a_new_store(tmp_path, lazy):
+    # The change is seen by the archive's file; the read after it must go through the archive there now, not
+    # the store opened on the old one (which would pair old values with the new identity: stale for ever).
+    z = str(tmp_path / "ds.zip")
+    _zip_dataset(z, 1.0)
+    ds = ZarrRecords(z, fields=["x"], cache_bytes=1 << 20, lazy=lazy)
+    assert ds[0]["x"][0, 0].item() == 1.0
+    _zip_dataset(z, 10.0)
+    assert ds[0]["x"][0, 0].item() == 10.0
+    assert ds[1]["x"][0, 0].item() == 11.0  # a first read after the change, too
+    assert ds[0]["x"][0, 0].item() == 10.0

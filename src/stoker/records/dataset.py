@@ -184,6 +184,17 @@ class ZarrRecords(torch.utils.data.Dataset):
                 self._stores, self._stores_pid = stores, os.getpid()
             return self._stores
 
+    def _forget_changed_archives(self) -> None:
+        """Before a record's identity is taken and it is read: drop this process's stores of zip archives
+        changed since they were opened, so the read goes through the archive there now (the identity, a stat
+        of the archive's file, is taken first: a change between the two shows as a change at the next check),
+        never through the old one's open store with the new identity (served stale for ever)."""
+        if self._in_store:
+            with self._lock:
+                stores = self._stores if self._stores_pid == os.getpid() else None
+            if stores is not None:
+                stores.forget_changed_archives()
+
     def close(self) -> None:
         """Close this process's private descriptors and stores and drop the cache (reads reopen on demand)."""
         with self._lock:
@@ -367,7 +378,8 @@ class ZarrRecords(torch.utils.data.Dataset):
         names = self._check_subset(fields)
         if self._eager is not None:
             if not unchanged(self._catalog, b, self._catalog.fields, self._eager_ids[b]):  # rewritten since
-                ident = record_identity(self._catalog, b, self._catalog.fields)            # read: read again
+                self._forget_changed_archives()                                          # read: read again
+                ident = record_identity(self._catalog, b, self._catalog.fields)
                 self._eager[b] = self._read(b, self._catalog.fields)
                 self._eager_ids[b] = ident
             held = self._eager[b]
@@ -382,6 +394,7 @@ class ZarrRecords(torch.utils.data.Dataset):
                 self._cache.reject(key, entry)
                 entry = None
             if entry is None:
+                self._forget_changed_archives()
                 ident = record_identity(self._catalog, b, names)
                 entry = (self._read(b, names), ident)
                 self._cache.put(key, entry)
