@@ -218,3 +218,16 @@ def test_a_replaced_zip_archive_is_read_again_through_a_new_store(tmp_path, lazy
     assert ds[0]["x"][0, 0].item() == 10.0
     assert ds[1]["x"][0, 0].item() == 11.0  # a first read after the change, too
     assert ds[0]["x"][0, 0].item() == 10.0
+
+
+def test_preloaded_samples_are_still_served_once_their_files_are_removed(tmp_path):
+    # lazy=False holds every sample: removing the files must not turn each access into NotFound. Written again,
+    # the record is read again.
+    root = str(tmp_path / "d")
+    truth = write_dataset(root, n=2)
+    ds = ZarrRecords(root, fields=SPEC, lazy=False)
+    shutil.rmtree(root)
+    for _ in range(2):
+        np.testing.assert_array_equal(ds[0]["positions"].numpy(), truth[0]["positions"])
+    again = write_dataset(root, n=2, seed=5)
+    np.testing.assert_array_equal(ds[0]["positions"].numpy(), again[0]["positions"])

@@ -32,7 +32,7 @@ from ..reader.array import open_array
 from ..storage.cache import SizedLRU
 from ..checks import integer
 from ..dist.collectives import resolve_rank
-from ..errors import InvalidArgument, MetadataError, OutOfBounds
+from ..errors import InvalidArgument, MetadataError, NotFound, OutOfBounds
 from ..storage import LocalStore
 from ..storage.locate import Stores, locate
 from .catalog import TIME_DIM, Catalog, FieldsArg, scan
@@ -380,8 +380,11 @@ class ZarrRecords(torch.utils.data.Dataset):
             if not unchanged(self._catalog, b, self._catalog.fields, self._eager_ids[b]):  # rewritten since
                 self._forget_changed_archives()                                          # read: read again
                 ident = record_identity(self._catalog, b, self._catalog.fields)
-                self._eager[b] = self._read(b, self._catalog.fields)
-                self._eager_ids[b] = ident
+                try:
+                    self._eager[b] = self._read(b, self._catalog.fields)
+                    self._eager_ids[b] = ident
+                except NotFound:
+                    pass  # removed (or mid-rewrite): what was preloaded is served, as before the check existed
             held = self._eager[b]
             return {name: held[name].clone() for name in names}
         if self._cache is not None:
