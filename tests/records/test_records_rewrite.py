@@ -231,3 +231,17 @@ def test_preloaded_samples_are_still_served_once_their_files_are_removed(tmp_pat
         np.testing.assert_array_equal(ds[0]["positions"].numpy(), truth[0]["positions"])
     again = write_dataset(root, n=2, seed=5)
     np.testing.assert_array_equal(ds[0]["positions"].numpy(), again[0]["positions"])
+
+
+def test_an_entry_that_cannot_be_stated_is_read_again_not_raised(tmp_path):
+    # A symlink loop in an array's folder (as EACCES would): the read ignores it; the identity must too, as an
+    # entry whose state is unknown (read again each time), never a raw OSError.
+    root = str(tmp_path / "d")
+    truth = write_dataset(root, n=2)
+    os.symlink("loop", os.path.join(root, "rec_000.zarr", "positions", "loop"))
+    ds = ZarrRecords(root, fields=SPEC, cache_bytes=1 << 24)
+    np.testing.assert_array_equal(ds[0]["positions"].numpy(), truth[0]["positions"])
+    new = np.full_like(truth[0]["positions"], 3.0)
+    rewrite(root, 0, "positions", new, in_place=True)
+    np.testing.assert_array_equal(ds[0]["positions"].numpy(), new)
+    assert ds.files_digest(0, ["positions"]) == ds.files_digest(0, ["positions"])

@@ -31,11 +31,14 @@ from typing import Any, Sequence
 from ..storage.locate import locate
 
 Files = tuple[tuple[str, int, int, int], ...]
+UNKNOWN = -2  # the size of an entry that could not be stat'ed or listed (a symlink loop, EACCES)
 
 
 def files_of(folder: str) -> Files:
     """``(key, size, mtime_ns, inode)`` of every file under ``folder`` and of every folder (``folder`` itself
-    as key ``""``; a folder's size is -1: not compared), sorted; empty when ``folder`` is missing. A folder's
+    as key ``""``; a folder's size is -1: not compared), sorted; empty when ``folder`` is missing. An entry
+    that cannot be stat'ed or a folder that cannot be listed (a symlink loop, EACCES) has size ``UNKNOWN``:
+    never unchanged. A folder's
     time changes when an entry is added to it, removed or renamed into it, so :func:`unchanged` can tell a
     new file without listing again."""
     out: list[tuple[str, int, int, int]] = []
@@ -51,6 +54,9 @@ def files_of(folder: str) -> Files:
             entries = list(os.scandir(path))
         except (FileNotFoundError, NotADirectoryError):
             continue
+        except OSError:  # EACCES, ...: what it holds is unknown
+            out.append((f"{key}/" if key else "/", UNKNOWN, -1, -1))
+            continue
         for e in entries:
             name = f"{key}/{e.name}" if key else e.name
             try:
@@ -62,6 +68,9 @@ def files_of(folder: str) -> Files:
                 st = e.stat()
             except FileNotFoundError:
                 continue  # removed while listed: as if never there
+            except OSError:  # a symlink loop, EACCES: unknown, so never "unchanged" (read again each time)
+                out.append((name, UNKNOWN, -1, -1))
+                continue
             out.append((name, st.st_size, st.st_mtime_ns, st.st_ino))
     out.sort()
     return tuple(out)
@@ -114,6 +123,8 @@ def unchanged(catalog: Any, b: int, names: Sequence[str], identity: tuple[Files 
         if base is None:
             return False
         for key, size, mtime, ino in files:
+            if size == UNKNOWN:
+                return False
             try:
                 st = os.stat(os.path.join(base, key) if key else base)
             except OSError:
@@ -128,7 +139,7 @@ def digest(files: Files | None) -> str | None:
     copy that keeps times, on another node, digests alike); None for None."""
     if files is None:
         return None
-    return hashlib.sha256(json.dumps([f[:3] for f in files if f[1] >= 0]).encode()).hexdigest()[:32]
+    return hashlib.sha256(json.dumps([f[:3] for f in files if f[1] != -1]).encode()).hexdigest()[:32]
 
 
 def fields_digest(catalog: Any, b: int, names: Sequence[str]) -> dict[str, str | None]:
