@@ -245,3 +245,18 @@ def test_an_entry_that_cannot_be_stated_is_read_again_not_raised(tmp_path):
     rewrite(root, 0, "positions", new, in_place=True)
     np.testing.assert_array_equal(ds[0]["positions"].numpy(), new)
     assert ds.files_digest(0, ["positions"]) == ds.files_digest(0, ["positions"])
+
+
+def test_the_cache_bound_counts_the_identities_it_keeps(tmp_path):
+    # A record of many small chunk files keeps an identity far larger than its values: cache_bytes bounds both.
+    root = str(tmp_path / "d")
+    g = zarr.open_group(os.path.join(root, "rec_000.zarr"), mode="w")
+    g.create_array("x", data=np.arange(256, dtype="f4"), chunks=(1,))
+    ds = ZarrRecords(root, fields=["x"], cache_bytes=1 << 20)
+    ds[0]
+    files = sum(len(names) + 1 for _, _, names in os.walk(os.path.join(root, "rec_000.zarr", "x")))
+    assert files > 256
+    assert ds.cache_info().nbytes >= 256 * 4 + 100 * files
+    small = ZarrRecords(root, fields=["x"], cache_bytes=256 * 4 * 2)  # room for the values, not the identity
+    small[0]
+    assert small.cache_info().entries == 0

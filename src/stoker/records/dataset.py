@@ -36,7 +36,7 @@ from ..errors import InvalidArgument, MetadataError, NotFound, OutOfBounds
 from ..storage import LocalStore
 from ..storage.locate import Stores, locate
 from .catalog import TIME_DIM, Catalog, FieldsArg, scan
-from .identity import dataset_digest, fields_digest, record_identity, unchanged
+from .identity import dataset_digest, fields_digest, identity_nbytes, record_identity, unchanged
 
 Sample = dict[str, torch.Tensor]
 
@@ -145,9 +145,10 @@ class ZarrRecords(torch.utils.data.Dataset):
         self._stores: Stores | None = None  # a dataset in a store: its stores and metadata, per process
         self._stores_pid = -1
         self._lock = threading.Lock()
-        # (sample, the record's identity when it was read)
+        # (sample, the record's identity when it was read); both count towards cache_bytes
         self._cache: SizedLRU[tuple[Sample, Any]] | None = (
-            SizedLRU(self._cache_bytes, lambda entry: _sample_nbytes(entry[0])) if self._cache_bytes > 0 else None
+            SizedLRU(self._cache_bytes, lambda entry: _sample_nbytes(entry[0]) + identity_nbytes(entry[1]))
+            if self._cache_bytes > 0 else None
         )
 
     def __getstate__(self) -> dict[str, Any]:

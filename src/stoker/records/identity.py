@@ -134,6 +134,15 @@ def unchanged(catalog: Any, b: int, names: Sequence[str], identity: tuple[Files 
     return True
 
 
+def identity_nbytes(identity: tuple[Files | None, ...]) -> int:
+    """About the memory :func:`record_identity`'s ``identity`` holds (a tuple of three ints and a key per file
+    and folder, about 200 bytes with the key): what a cache bounded in bytes counts for it beside the sample."""
+    return 64 + sum(0 if files is None else sum(_ENTRY_BYTES + len(f[0]) for f in files) for files in identity)
+
+
+_ENTRY_BYTES = 200  # sys.getsizeof of a 4-tuple (72), of its three ints (3 x 32) and of a short str (about 50)
+
+
 def digest(files: Files | None) -> str | None:
     """Hex digest of ``files``' keys, sizes and modification times (files only, not folders, and not inodes: a
     copy that keeps times, on another node, digests alike); None for None."""
@@ -156,4 +165,4 @@ def dataset_digest(catalog: Any, names: Sequence[str]) -> str:
     return h.hexdigest()
 
 
-__all__ = ["files_of", "field_identity", "record_identity", "unchanged", "digest", "fields_digest", "dataset_digest"]
+__all__ = ["files_of", "field_identity", "record_identity", "unchanged", "identity_nbytes", "digest", "fields_digest", "dataset_digest"]
