@@ -260,3 +260,31 @@ def test_the_cache_bound_counts_the_identities_it_keeps(tmp_path):
     small = ZarrRecords(root, fields=["x"], cache_bytes=256 * 4 * 2)  # room for the values, not the identity
     small[0]
     assert small.cache_info().entries == 0
+
+
+def test_chained_precomputes_settle_after_a_rewrite(tmp_path):
+    # "a" from "pos", "b" from "a", each on a dataset holding every other array: a rewrite of "pos" recomputes
+    # both, then the chain settles (not recomputed at every run for ever); "a" computed anew (other params)
+    # recomputes "b".
+    root = str(tmp_path / "d")
+    rng = np.random.default_rng(0)
+    for i in range(2):
+        zarr.open_group(os.path.join(root, f"rec_{i}.zarr"), mode="w").create_array(
+            "pos", data=rng.random((5, 3), dtype="f4"))
+
+    def run(va: int = 1) -> tuple[int, int]:
+        def others(name):
+            return [f for f in ZarrRecords(root).fields if f != name]
+        ra = precompute(ZarrRecords(root, fields=others("a")), "a", lambda s: s["pos"].sum(0) * va, {"v": va})
+        rb = precompute(ZarrRecords(root, fields=others("b")), "b", lambda s: s["a"] * 2, {"v": 1})
+        return ra.written, rb.written
+
+    assert run() == (2, 2)
+    assert run() == (0, 0)
+    g = zarr.open_group(os.path.join(root, "rec_1.zarr"), mode="r+")
+    g.create_array("pos", data=rng.random((5, 3), dtype="f4"), overwrite=True)
+    runs = [run() for _ in range(5)]
+    assert runs[0] == (1, 1) and runs[-2:] == [(0, 0), (0, 0)]
+    assert run(va=3) == (2, 2)
+    b = ZarrRecords(root, fields=["pos", "b"])[1]
+    np.testing.assert_allclose(b["b"].numpy(), b["pos"].sum(0).numpy() * 6, rtol=1e-6)
