@@ -6,11 +6,16 @@
 
 A field of a local record is identified by every file of its array (the metadata document and each chunk
 or shard file) with its size, modification time and inode, and by its folders' times and inodes:
-zarr-python writes a file to a temporary name and renames it into place, so a rewritten chunk gets a new
-inode and time, and a file added or removed changes its folder's time. Taking it is one ``scandir`` per
+zarr-python and tensorstore write a file to a temporary name and rename it into place, so a rewritten
+chunk usually gets another inode (the temporary file is made while the old one still holds its inode) and
+a file added, removed or renamed into place changes its folder's time. Taking it is one ``scandir`` per
 folder and one ``stat`` per file; checking it (:func:`unchanged`) one ``stat`` per file and folder, no
-listing and no read. A file added within the file system's timestamp granularity (a few ms on ext4) of the
-listing can go unseen until its folder changes again. A field in a zip
+listing and no read. Not detected: a rewrite that keeps a file's size and inode (written in place, or
+deleted and made again on a file system that hands the freed inode back) within the file system's
+timestamp granularity (a few ms on ext4) of when the identity was taken, which leaves its time as it was;
+likewise a file added within that granularity of the listing goes unseen until its folder changes again.
+An entry whose folder was missing when the identity was taken (``()``) or that could not be stat'ed
+(``UNKNOWN``) is never unchanged. A field in a zip
 archive is identified by the archive's file; a field in an object store or on an HTTP server by nothing
 (None: such caches are checked by shape and dtype only, as a listing per record would cost about what the
 read it guards costs).
