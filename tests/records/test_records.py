@@ -28,6 +28,7 @@ import zarr
 from stoker.errors import InvalidArgument, NotFound, OutOfBounds, RankMismatch
 from stoker.records import FieldStats, Moments, ZarrRecords, compute_stats, denormalize, normalize
 from stoker.records import sidecar
+from stoker.records.identity import identity_nbytes, record_identity
 from stoker.storage import LocalStore
 
 from gloo_ranks import gloo_group, spawn_ranks, write_result
@@ -419,7 +420,9 @@ def test_metadata_mismatches_name_record_field_and_dims(tmp_path):
 
 def test_cache_respects_cache_bytes(data):
     root, truth = data
-    one = ZarrRecords(root, fields=SPEC).metadata(6).nbytes
+    plain = ZarrRecords(root, fields=SPEC)
+    # an entry holds the sample and the identity it is checked against: both count
+    one = plain.metadata(6).nbytes + identity_nbytes(record_identity(plain._catalog, 6, plain.fields))
     store = LocalStore()
     ds = ZarrRecords(root, fields=SPEC, cache_bytes=int(2.5 * one), store=store)
     for i in range(N_RECORDS):

@@ -171,3 +171,120 @@ def test_node_local_copies_pass_the_cross_rank_check(tmp_path):
     values = np.concatenate([t["positions"].reshape(-1, 3) for t in truth]).astype("f8")
     np.testing.assert_allclose(results[0]["mean"], values.mean(axis=0), rtol=1e-12)
     assert results[1]["mean"] == results[0]["mean"]
+
+
+def test_an_entry_read_while_its_folder_was_missing_is_checked_again(tmp_path):
+    # A writer's overwrite=True removes the array's folder and writes it again: an identity taken in between
+    # is empty. What was read after it must not be served as unchanged through later rewrites.
+    root = str(tmp_path / "d")
+    truth = write_dataset(root, n=2)
+    ds = ZarrRecords(root, fields=SPEC, cache_bytes=1 << 24)
+    field = os.path.join(root, "rec_000.zarr", "positions")
+    shutil.move(field, field + ".away")
+    read = ds._read
+
+    def read_once_the_writer_is_done(b, names):
+        shutil.move(field + ".away", field)
+        return read(b, names)
+
+    ds._read = read_once_the_writer_is_done
+    np.testing.assert_array_equal(ds[0]["positions"].numpy(), truth[0]["positions"])
+    ds._read = read
+    new = np.full_like(truth[0]["positions"], 7.0)
+    rewrite(root, 0, "positions", new, in_place=False)
+    np.testing.assert_array_equal(ds[0]["positions"].numpy(), new)
+
+
+def _zip_dataset(path: str, value: float) -> None:
+    """Two records in a zip archive written aside and renamed over ``path`` (a new archive, same shapes)."""
+    tmp = path + ".new"
+    store = zarr.storage.ZipStore(tmp, mode="w")
+    g = zarr.open_group(store, mode="w")
+    for i in range(2):
+        g.create_group(f"rec_{i}").create_array("x", data=np.full((4, 3), value + i, "f4"))
+    store.close()
+    os.replace(tmp, path)
+
+
+@pytest.mark.parametrize("lazy", [True, False])
+def test_a_replaced_zip_archive_is_read_again_through_a_new_store(tmp_path, lazy):
+    # The change is seen by the archive's file; the read after it must go through the archive there now, not
+    # the store opened on the old one (which would pair old values with the new identity: stale for ever).
+    z = str(tmp_path / "ds.zip")
+    _zip_dataset(z, 1.0)
+    ds = ZarrRecords(z, fields=["x"], cache_bytes=1 << 20, lazy=lazy)
+    assert ds[0]["x"][0, 0].item() == 1.0
+    _zip_dataset(z, 10.0)
+    assert ds[0]["x"][0, 0].item() == 10.0
+    assert ds[1]["x"][0, 0].item() == 11.0  # a first read after the change, too
+    assert ds[0]["x"][0, 0].item() == 10.0
+
+
+def test_preloaded_samples_are_still_served_once_their_files_are_removed(tmp_path):
+    # lazy=False holds every sample: removing the files must not turn each access into NotFound. Written again,
+    # the record is read again.
+    root = str(tmp_path / "d")
+    truth = write_dataset(root, n=2)
+    ds = ZarrRecords(root, fields=SPEC, lazy=False)
+    shutil.rmtree(root)
+    for _ in range(2):
+        np.testing.assert_array_equal(ds[0]["positions"].numpy(), truth[0]["positions"])
+    again = write_dataset(root, n=2, seed=5)
+    np.testing.assert_array_equal(ds[0]["positions"].numpy(), again[0]["positions"])
+
+
+def test_an_entry_that_cannot_be_stated_is_read_again_not_raised(tmp_path):
+    # A symlink loop in an array's folder (as EACCES would): the read ignores it; the identity must too, as an
+    # entry whose state is unknown (read again each time), never a raw OSError.
+    root = str(tmp_path / "d")
+    truth = write_dataset(root, n=2)
+    os.symlink("loop", os.path.join(root, "rec_000.zarr", "positions", "loop"))
+    ds = ZarrRecords(root, fields=SPEC, cache_bytes=1 << 24)
+    np.testing.assert_array_equal(ds[0]["positions"].numpy(), truth[0]["positions"])
+    new = np.full_like(truth[0]["positions"], 3.0)
+    rewrite(root, 0, "positions", new, in_place=True)
+    np.testing.assert_array_equal(ds[0]["positions"].numpy(), new)
+    assert ds.files_digest(0, ["positions"]) == ds.files_digest(0, ["positions"])
+
+
+def test_the_cache_bound_counts_the_identities_it_keeps(tmp_path):
+    # A record of many small chunk files keeps an identity far larger than its values: cache_bytes bounds both.
+    root = str(tmp_path / "d")
+    g = zarr.open_group(os.path.join(root, "rec_000.zarr"), mode="w")
+    g.create_array("x", data=np.arange(256, dtype="f4"), chunks=(1,))
+    ds = ZarrRecords(root, fields=["x"], cache_bytes=1 << 20)
+    ds[0]
+    files = sum(len(names) + 1 for _, _, names in os.walk(os.path.join(root, "rec_000.zarr", "x")))
+    assert files > 256
+    assert ds.cache_info().nbytes >= 256 * 4 + 100 * files
+    small = ZarrRecords(root, fields=["x"], cache_bytes=256 * 4 * 2)  # room for the values, not the identity
+    small[0]
+    assert small.cache_info().entries == 0
+
+
+def test_chained_precomputes_settle_after_a_rewrite(tmp_path):
+    # "a" from "pos", "b" from "a", each on a dataset holding every other array: a rewrite of "pos" recomputes
+    # both, then the chain settles (not recomputed at every run for ever); "a" computed anew (other params)
+    # recomputes "b".
+    root = str(tmp_path / "d")
+    rng = np.random.default_rng(0)
+    for i in range(2):
+        zarr.open_group(os.path.join(root, f"rec_{i}.zarr"), mode="w").create_array(
+            "pos", data=rng.random((5, 3), dtype="f4"))
+
+    def run(va: int = 1) -> tuple[int, int]:
+        def others(name):
+            return [f for f in ZarrRecords(root).fields if f != name]
+        ra = precompute(ZarrRecords(root, fields=others("a")), "a", lambda s: s["pos"].sum(0) * va, {"v": va})
+        rb = precompute(ZarrRecords(root, fields=others("b")), "b", lambda s: s["a"] * 2, {"v": 1})
+        return ra.written, rb.written
+
+    assert run() == (2, 2)
+    assert run() == (0, 0)
+    g = zarr.open_group(os.path.join(root, "rec_1.zarr"), mode="r+")
+    g.create_array("pos", data=rng.random((5, 3), dtype="f4"), overwrite=True)
+    runs = [run() for _ in range(5)]
+    assert runs[0] == (1, 1) and runs[-2:] == [(0, 0), (0, 0)]
+    assert run(va=3) == (2, 2)
+    b = ZarrRecords(root, fields=["pos", "b"])[1]
+    np.testing.assert_allclose(b["b"].numpy(), b["pos"].sum(0).numpy() * 6, rtol=1e-6)

@@ -32,11 +32,11 @@ from ..reader.array import open_array
 from ..storage.cache import SizedLRU
 from ..checks import integer
 from ..dist.collectives import resolve_rank
-from ..errors import InvalidArgument, MetadataError, OutOfBounds
+from ..errors import InvalidArgument, MetadataError, NotFound, OutOfBounds
 from ..storage import LocalStore
 from ..storage.locate import Stores, locate
 from .catalog import TIME_DIM, Catalog, FieldsArg, scan
-from .identity import dataset_digest, fields_digest, record_identity, unchanged
+from .identity import dataset_digest, fields_digest, identity_nbytes, record_identity, unchanged
 
 Sample = dict[str, torch.Tensor]
 
@@ -145,9 +145,10 @@ class ZarrRecords(torch.utils.data.Dataset):
         self._stores: Stores | None = None  # a dataset in a store: its stores and metadata, per process
         self._stores_pid = -1
         self._lock = threading.Lock()
-        # (sample, the record's identity when it was read)
+        # (sample, the record's identity when it was read); both count towards cache_bytes
         self._cache: SizedLRU[tuple[Sample, Any]] | None = (
-            SizedLRU(self._cache_bytes, lambda entry: _sample_nbytes(entry[0])) if self._cache_bytes > 0 else None
+            SizedLRU(self._cache_bytes, lambda entry: _sample_nbytes(entry[0]) + identity_nbytes(entry[1]))
+            if self._cache_bytes > 0 else None
         )
 
     def __getstate__(self) -> dict[str, Any]:
@@ -183,6 +184,17 @@ class ZarrRecords(torch.utils.data.Dataset):
                 weakref.finalize(self, stores.close)
                 self._stores, self._stores_pid = stores, os.getpid()
             return self._stores
+
+    def _forget_changed_archives(self) -> None:
+        """Before a record's identity is taken and it is read: drop this process's stores of zip archives
+        changed since they were opened, so the read goes through the archive there now (the identity, a stat
+        of the archive's file, is taken first: a change between the two shows as a change at the next check),
+        never through the old one's open store with the new identity (served stale for ever)."""
+        if self._in_store:
+            with self._lock:
+                stores = self._stores if self._stores_pid == os.getpid() else None
+            if stores is not None:
+                stores.forget_changed_archives()
 
     def close(self) -> None:
         """Close this process's private descriptors and stores and drop the cache (reads reopen on demand)."""
@@ -367,9 +379,13 @@ class ZarrRecords(torch.utils.data.Dataset):
         names = self._check_subset(fields)
         if self._eager is not None:
             if not unchanged(self._catalog, b, self._catalog.fields, self._eager_ids[b]):  # rewritten since
-                ident = record_identity(self._catalog, b, self._catalog.fields)            # read: read again
-                self._eager[b] = self._read(b, self._catalog.fields)
-                self._eager_ids[b] = ident
+                self._forget_changed_archives()                                          # read: read again
+                ident = record_identity(self._catalog, b, self._catalog.fields)
+                try:
+                    self._eager[b] = self._read(b, self._catalog.fields)
+                    self._eager_ids[b] = ident
+                except NotFound:
+                    pass  # removed (or mid-rewrite): what was preloaded is served, as before the check existed
             held = self._eager[b]
             return {name: held[name].clone() for name in names}
         if self._cache is not None:
@@ -382,6 +398,7 @@ class ZarrRecords(torch.utils.data.Dataset):
                 self._cache.reject(key, entry)
                 entry = None
             if entry is None:
+                self._forget_changed_archives()
                 ident = record_identity(self._catalog, b, names)
                 entry = (self._read(b, names), ident)
                 self._cache.put(key, entry)

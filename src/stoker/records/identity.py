@@ -6,11 +6,16 @@
 
 A field of a local record is identified by every file of its array (the metadata document and each chunk
 or shard file) with its size, modification time and inode, and by its folders' times and inodes:
-zarr-python writes a file to a temporary name and renames it into place, so a rewritten chunk gets a new
-inode and time, and a file added or removed changes its folder's time. Taking it is one ``scandir`` per
+zarr-python and tensorstore write a file to a temporary name and rename it into place, so a rewritten
+chunk usually gets another inode (the temporary file is made while the old one still holds its inode) and
+a file added, removed or renamed into place changes its folder's time. Taking it is one ``scandir`` per
 folder and one ``stat`` per file; checking it (:func:`unchanged`) one ``stat`` per file and folder, no
-listing and no read. A file added within the file system's timestamp granularity (a few ms on ext4) of the
-listing can go unseen until its folder changes again. A field in a zip
+listing and no read. Not detected: a rewrite that keeps a file's size and inode (written in place, or
+deleted and made again on a file system that hands the freed inode back) within the file system's
+timestamp granularity (a few ms on ext4) of when the identity was taken, which leaves its time as it was;
+likewise a file added within that granularity of the listing goes unseen until its folder changes again.
+An entry whose folder was missing when the identity was taken (``()``) or that could not be stat'ed
+(``UNKNOWN``) is never unchanged. A field in a zip
 archive is identified by the archive's file; a field in an object store or on an HTTP server by nothing
 (None: such caches are checked by shape and dtype only, as a listing per record would cost about what the
 read it guards costs).
@@ -31,11 +36,14 @@ from typing import Any, Sequence
 from ..storage.locate import locate
 
 Files = tuple[tuple[str, int, int, int], ...]
+UNKNOWN = -2  # the size of an entry that could not be stat'ed or listed (a symlink loop, EACCES)
 
 
 def files_of(folder: str) -> Files:
     """``(key, size, mtime_ns, inode)`` of every file under ``folder`` and of every folder (``folder`` itself
-    as key ``""``; a folder's size is -1: not compared), sorted; empty when ``folder`` is missing. A folder's
+    as key ``""``; a folder's size is -1: not compared), sorted; empty when ``folder`` is missing. An entry
+    that cannot be stat'ed or a folder that cannot be listed (a symlink loop, EACCES) has size ``UNKNOWN``:
+    never unchanged. A folder's
     time changes when an entry is added to it, removed or renamed into it, so :func:`unchanged` can tell a
     new file without listing again."""
     out: list[tuple[str, int, int, int]] = []
@@ -51,6 +59,9 @@ def files_of(folder: str) -> Files:
             entries = list(os.scandir(path))
         except (FileNotFoundError, NotADirectoryError):
             continue
+        except OSError:  # EACCES, ...: what it holds is unknown
+            out.append((f"{key}/" if key else "/", UNKNOWN, -1, -1))
+            continue
         for e in entries:
             name = f"{key}/{e.name}" if key else e.name
             try:
@@ -62,6 +73,9 @@ def files_of(folder: str) -> Files:
                 st = e.stat()
             except FileNotFoundError:
                 continue  # removed while listed: as if never there
+            except OSError:  # a symlink loop, EACCES: unknown, so never "unchanged" (read again each time)
+                out.append((name, UNKNOWN, -1, -1))
+                continue
             out.append((name, st.st_size, st.st_mtime_ns, st.st_ino))
     out.sort()
     return tuple(out)
@@ -103,12 +117,19 @@ def unchanged(catalog: Any, b: int, names: Sequence[str], identity: tuple[Files 
     """Whether record ``b``'s ``names`` still hold what ``identity`` (:func:`record_identity`) says: a ``stat``
     of each file and folder it lists, no listing (a file added or removed changes its folder's time)."""
     for name, files in zip(names, identity):
+        if files is None:
+            continue  # cannot be told cheaply: checked by shape and dtype only
         if not files:
-            continue  # None: cannot be told; (): a missing folder, whose read failed
+            # (): the folder was missing when the identity was taken (a writer's ``overwrite=True`` between
+            # its removal and its rewrite): what was read after it is of unknown origin, so never "unchanged"
+            # (an entry taken so would otherwise never be checked again and be served through later rewrites).
+            return False
         base = _base(catalog, b, name)
         if base is None:
             return False
         for key, size, mtime, ino in files:
+            if size == UNKNOWN:
+                return False
             try:
                 st = os.stat(os.path.join(base, key) if key else base)
             except OSError:
@@ -118,12 +139,21 @@ def unchanged(catalog: Any, b: int, names: Sequence[str], identity: tuple[Files 
     return True
 
 
+def identity_nbytes(identity: tuple[Files | None, ...]) -> int:
+    """About the memory :func:`record_identity`'s ``identity`` holds (a tuple of three ints and a key per file
+    and folder, about 200 bytes with the key): what a cache bounded in bytes counts for it beside the sample."""
+    return 64 + sum(0 if files is None else sum(_ENTRY_BYTES + len(f[0]) for f in files) for files in identity)
+
+
+_ENTRY_BYTES = 200  # sys.getsizeof of a 4-tuple (72), of its three ints (3 x 32) and of a short str (about 50)
+
+
 def digest(files: Files | None) -> str | None:
     """Hex digest of ``files``' keys, sizes and modification times (files only, not folders, and not inodes: a
     copy that keeps times, on another node, digests alike); None for None."""
     if files is None:
         return None
-    return hashlib.sha256(json.dumps([f[:3] for f in files if f[1] >= 0]).encode()).hexdigest()[:32]
+    return hashlib.sha256(json.dumps([f[:3] for f in files if f[1] != -1]).encode()).hexdigest()[:32]
 
 
 def fields_digest(catalog: Any, b: int, names: Sequence[str]) -> dict[str, str | None]:
@@ -140,4 +170,4 @@ def dataset_digest(catalog: Any, names: Sequence[str]) -> str:
     return h.hexdigest()
 
 
-__all__ = ["files_of", "field_identity", "record_identity", "unchanged", "digest", "fields_digest", "dataset_digest"]
+__all__ = ["files_of", "field_identity", "record_identity", "unchanged", "identity_nbytes", "digest", "fields_digest", "dataset_digest"]

@@ -147,10 +147,21 @@ def stored_inputs(record: str, name: str) -> Any:
 def record_inputs(ds: ZarrRecords, i: int, name: str) -> dict[str, list]:
     """``{field: [stored shape, dtype, files]}`` of record ``i``'s fields but ``name``, as JSON data: what an
     array precomputed from them was computed from. ``files`` digests the size and modification time of each
-    file of the field (:func:`stoker.records.identity.fields_digest`; None for a field in an object store)."""
+    file of the field (:func:`stoker.records.identity.fields_digest`; None for a field in an object store).
+    An array precompute wrote is digested by what it was computed as instead (its fingerprint and the files of
+    the fields it was computed from that precompute did not write), not by its files: chained precomputes, each
+    on a dataset holding the other's array, would otherwise each see the other rewritten at every run and
+    recompute for ever."""
     info = ds.metadata(i)
     others = [f for f in sorted(info.fields) if f != name]
-    files = ds.files_digest(i, others)
+    record = record_folder(ds, i)
+    derived = {f: fp for f in others if (fp := stored_fingerprint(record, f)) is not None}
+    files: dict[str, str | None] = ds.files_digest(i, [f for f in others if f not in derived])
+    for f, fp in derived.items():
+        stored = stored_inputs(record, f)
+        source = {k: v for k, v in stored.items() if stored_fingerprint(record, k) is None} \
+            if isinstance(stored, dict) else None
+        files[f] = hashlib.sha256(_canonical([fp, source]).encode()).hexdigest()[:32]
     return {f: [list(info.fields[f].stored_shape), np.dtype(info.fields[f].dtype).str, files[f]] for f in others}
 
 
