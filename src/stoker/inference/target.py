@@ -20,6 +20,7 @@ from typing import Any, Iterator
 from urllib.parse import urlparse
 
 from ..errors import InvalidArgument, StokerError, StorageError, UnsupportedFormat
+from ..runtime import zarrloop
 from ..storage.locate import CACHE_KEYS, SETTING_KEYS
 from ..storage.objectstore import ObjectStore
 from ..storage.uri import REMOTE_SCHEMES
@@ -92,6 +93,7 @@ def array_store(uri: str, storage_options: dict | None) -> Any:
         return local_path(uri)
     import zarr.storage
 
+    zarrloop.hook()  # requests zarr-python leaves in flight end before finalisation (runtime/zarrloop.py)
     store = remote_store(uri, storage_options)
     try:
         return zarr.storage.ObjectStore(store.writable_obstore(), read_only=False)
