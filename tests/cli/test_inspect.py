@@ -319,3 +319,21 @@ def test_inspect_notes_a_missing_chunk_that_decodes_to_a_value(tmp_path, capsys,
     assert got == float(gap[0, 0, 0])
     assert ("note         a chunk not stored decodes to 280.0 (fill value 0 decoded), not NaN: the fill value is "
             "none of the CF missing values [-32768]") in out
+
+
+def test_inspect_notes_a_missing_chunk_of_a_float_array_whose_fill_value_is_no_missing_value(tmp_path, capsys):
+    """A float array whose only CF attribute is _FillValue NaN has no decoding to apply, so inspect said
+    nothing, yet its zarr fill_value is 0: a chunk never written reads 0.0 (zarr-python's read here), not NaN."""
+    import json
+
+    uri = str(tmp_path / "f.zarr")
+    z = zarr.create_array(uri, shape=(8, 8), chunks=(4, 4), dtype="f4", fill_value=0.0,
+                          attributes={"_FillValue": float("nan"), "_ARRAY_DIMENSIONS": ["y", "x"]})
+    z[:4, :4] = 1.5  # the other three chunks never written
+    assert main(["inspect", uri]) == 0
+    out = capsys.readouterr().out
+    assert main(["inspect", uri, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)["cf"]
+    read = zarr.open_array(uri, mode="r")[4:, 4:]
+    assert (read == 0.0).all() and got["missing_chunk"] == 0.0 and got["missing"] == ["nan"]
+    assert "note         a chunk not stored decodes to 0.0" in out and "none of the CF missing values" in out

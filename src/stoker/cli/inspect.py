@@ -12,7 +12,7 @@ import numpy as np
 
 from ..zarr.amplification import estimate
 from ..reader.array import open_array
-from ..reader.coords import coding, coordinates, dimension_names
+from ..reader.coords import attributes, coding, coordinates, dimension_names
 from ..reader.ome import is_label_level, level_scale
 from ..errors import InvalidArgument, NotFound, StokerError
 from ..storage import ByteRange
@@ -186,9 +186,8 @@ def _named(arr, options: dict[str, Any] | None) -> dict[str, Any]:
     xarray decodes them) and the CF decoding the pipeline applies (Config.cf), as plain values."""
     names = dimension_names(arr)
     code = coding(arr)
-    cf = None if code is None else {"scale_factor": code.scale, "add_offset": code.offset,
-                                    "missing": [_plain(v) for v in code.fills],
-                                    "missing_chunk": _plain(_missing_chunk(arr, code))}
+    cf = {"scale_factor": code.scale, "add_offset": code.offset, "missing": [_plain(v) for v in code.fills],
+          "missing_chunk": _plain(_missing_chunk(arr, code))} if code is not None else _declared_missing(arr)
     if names is None:
         return {"dimensions": None, "coordinates": {}, "cf": cf}
     found = coordinates(arr, options)
@@ -196,6 +195,23 @@ def _named(arr, options: dict[str, Any] | None) -> dict[str, Any]:
               {"length": len(c), "first": _label(c[0]), "last": _label(c[-1]), "dtype": str(c.dtype)}
               for name, c in found.items()}
     return {"dimensions": list(names), "coordinates": coords, "cf": cf}
+
+
+def _declared_missing(arr) -> dict[str, Any] | None:
+    """For an array CF decoding leaves as it is (a float array whose ``_FillValue`` is NaN): its declared
+    missing values and what a chunk never written reads as, where that is a value and not one of them
+    (xarray's v3 float writes: zarr ``fill_value`` 0 beside ``_FillValue`` NaN, so such a chunk reads 0.0)."""
+    attrs = attributes(arr)
+    declared = [attrs[k] for k in ("_FillValue", "missing_value") if k in attrs]
+    declared = [v for d in declared for v in (d if isinstance(d, list) else [d])]
+    if not declared:
+        return None
+    fill = np.asarray(arr.fill_value).reshape(-1)[0] if np.asarray(arr.fill_value).size else None
+    if not isinstance(fill, (np.floating, float)) or math.isnan(fill) or any(
+            isinstance(d, (int, float)) and not isinstance(d, bool) and float(d) == float(fill) for d in declared):
+        return None
+    return {"scale_factor": None, "add_offset": None, "missing": [_plain(v) for v in declared],
+            "missing_chunk": _plain(float(fill))}
 
 
 def _missing_chunk(arr, code) -> float:
