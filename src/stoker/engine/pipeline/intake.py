@@ -217,6 +217,7 @@ class Intake:
         self._counted -= dropped  # never to be popped: no longer pending
         self._resumable.clear()
         self._whole.clear()
+        self._laid_out.clear()
         r = self.received
         self.received = Received(r.batches, r.samples, {})
         return dropped
