@@ -158,6 +158,7 @@ def test_a_fill_value_that_does_not_fit_names_the_missing_chunk(tmp_path, decode
     with pytest.raises(stoker.DtypeMismatch) as info:
         _batches(_cfg(batch_size=1), [stoker.Sample(uri, BOX)])
     assert info.value.key == "c/0/1" and str(2**64 - 1) in str(info.value)
+    assert "'c/0/1' is not stored and reads as the array's fill value" in str(info.value)  # no file to look in
     got = _batches(_cfg(batch_size=1), [stoker.Sample(uri, ((4, 12), (0, 10)))])
     assert torch.equal(got[0][0], torch.from_numpy(z[4:12].astype(np.int64)))
 

@@ -145,6 +145,18 @@ def test_zero_copy_batches_are_not_overwritten_while_held(group):
     assert all(torch.equal(x, copy) for x, copy in held)
 
 
+def test_a_dataloader_batch_size_that_holds_every_slot_is_named(group):
+    """DataLoader(ds, batch_size=4) keeps 4 zero-copy batches to collate them, more than the 3 slots: the
+    PoolStarved says to pass batch_size=None, not only to release batches the loop never held."""
+    uris, _ = group
+    ds = stoker.CropDataset(_source(uris).for_rank(0, 1), stoker.Config(**{**CFG, "pop_timeout_s": 1.0}))
+    with pytest.raises(stoker.PoolStarved, match="batch_size=None") as info:
+        next(iter(DataLoader(ds, batch_size=4)))
+    assert info.value.consumer_holds_all
+    ok = stoker.CropDataset(_source(uris).for_rank(0, 1), stoker.Config(**{**CFG, "pop_timeout_s": 1.0}))
+    assert sum(1 for _ in DataLoader(ok, batch_size=None)) == 6  # each batch dropped before the next
+
+
 def test_worker_processes_are_refused(group):
     uris, _ = group
     ds = stoker.CropDataset(_source(uris).for_rank(0, 1), stoker.Config(**CFG))

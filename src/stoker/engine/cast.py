@@ -164,12 +164,13 @@ def _overflow(src: np.ndarray, dtype: torch.dtype) -> tuple[int, int] | tuple[fl
 
 def range_error(uri: str, key: str, source: np.dtype, dtype: torch.dtype,
                 span: tuple[int, int] | tuple[float, float] | None = None, cause: str | None = None,
-                box=None) -> DtypeMismatch:
+                box=None, subject: str | None = None) -> DtypeMismatch:
     """The error of a chunk (``key``; for a missing one, its fill value) holding a value that does not fit the
     batch ``dtype`` (outside an integer batch's range, or a finite value that would be inf in a float batch);
     ``span``: its values' (min, max) where known (the engine's ST_RANGE says only that one did not fit);
     ``cause``: what made them so when the stored values fit (``"after CF decoding or the transform"``, in a
-    work buffer: :mod:`~stoker.engine.rounding`), ``box``: the sample's box that holds them.
+    work buffer: :mod:`~stoker.engine.rounding`), ``box``: the sample's box that holds them; ``subject``: what
+    holds them in place of "chunk ``key`` holds" (:func:`check_fill`: a chunk not stored, or the padding).
 
     >>> raise range_error("t.zarr", "c/0/1", np.dtype("int16"), torch.float16, (7e4, 7e4), "after CF decoding")
     Traceback (most recent call last):
@@ -183,6 +184,7 @@ def range_error(uri: str, key: str, source: np.dtype, dtype: torch.dtype,
         held = "a value"
     if cause is not None:
         held += f" {cause}"
+    what = f"chunk {key!r} holds" if subject is None else subject
     if dtype in OVERFLOW_AT:
         name = _FLOAT_NAMES.get(dtype, str(dtype))
         fits_f32 = dtype != torch.float32 and (
@@ -195,13 +197,13 @@ def range_error(uri: str, key: str, source: np.dtype, dtype: torch.dtype,
                  else "or a transform that keeps them in range" if "transform" in cause
                  else "as xarray does, in float64")
         return DtypeMismatch(
-            f"{uri}: chunk {key!r} holds {held} past {name}'s largest finite value "
+            f"{uri}: {what} {held} past {name}'s largest finite value "
             f"{float(torch.finfo(dtype).max):g}, which the cast would make inf (source dtype {source}){crop}; "
             f"{wider} to keep every value, {scale}", uri=uri, key=key, dtype=str(source))
     room = torch.iinfo(dtype)
     wider = "use dtype 'i64' or 'native'" if dtype == torch.int32 else "use dtype='native'"
     return DtypeMismatch(
-        f"{uri}: chunk {key!r} holds {held} outside {INTEGER_OUTPUTS[dtype]}'s range [{room.min}, {room.max}] "
+        f"{uri}: {what} {held} outside {INTEGER_OUTPUTS[dtype]}'s range [{room.min}, {room.max}] "
         f"(source dtype {source}); {wider} to keep every value", uri=uri, key=key, dtype=str(source))
 
 
@@ -212,12 +214,16 @@ def check_fill(reader, dtype: torch.dtype, key: str) -> None:
 
     >>> check_fill(stoker.open_array("ids.zarr"), torch.int32, "c/0/1")  # uint32, fill value 2**32 - 1
     Traceback (most recent call last):
-    stoker.errors.DtypeMismatch: ids.zarr: chunk 'c/0/1' holds the value 4294967295 outside i32's range ...
+    stoker.errors.DtypeMismatch: ids.zarr: chunk 'c/0/1' is not stored and reads as the array's fill value, the
+    value 4294967295 outside i32's range ...
     """
     fill = np.asarray(reader.metadata.fill_value)
     if unfit_range(fill.reshape(1), dtype) is not None:
         value = fill.item()
-        raise range_error(reader.uri, key, fill.dtype, dtype, (value, value))
+        # say where the value comes from: no chunk file holds it, so "chunk k holds" sends one looking for it
+        subject = ("the padding reads as the array's fill value," if key.startswith("<padding")
+                   else f"chunk {key!r} is not stored and reads as the array's fill value,")
+        raise range_error(reader.uri, key, fill.dtype, dtype, (value, value), subject=subject)
 
 
 def numpy_view(t: torch.Tensor) -> np.ndarray | None:

@@ -25,7 +25,7 @@ from ..config import Config
 from ..engine.batch import to_tensors
 from ..engine.buffers import SPARE_SLOT_BYTES
 from ..engine.pipeline.facade import Pipeline
-from ..errors import InvalidArgument, ShutdownError, StokerError
+from ..errors import InvalidArgument, PoolStarved, ShutdownError, StokerError
 from ..sampling.sample import Sample
 from ..sampling.samplers import RankShare, SampleSource
 
@@ -258,6 +258,15 @@ class CropDataset(torch.utils.data.IterableDataset):
                 if run == self._run:
                     raise
                 return  # closed by a newer iteration or a load
+            except PoolStarved as e:
+                if not getattr(e, "consumer_holds_all", False):
+                    raise
+                # a DataLoader given batch_size=k keeps k of these views until it collates them: with k past
+                # the slots, the likeliest holder when the loop itself keeps no batch
+                raise PoolStarved(
+                    f"{e.message} In a DataLoader, pass batch_size=None: a DataLoader with a batch_size holds "
+                    f"that many of this CropDataset's batches (each already {self.cfg.batch_size} samples) to "
+                    "collate them", **e.context) from e
             finally:
                 if self._live is pipeline:
                     self._live = None

@@ -243,7 +243,7 @@ class Pipeline:
                     self._cond.wait(0.01)
                 collector.waited()
             if deadline is not None and time.monotonic() >= deadline:
-                raise PoolStarved(self._starved_message(limit))
+                raise self._starved(limit)
         if head.parts is not None and self.cfg.transform is not None and head.transformed is not True:
             self._transform_fields(head)
         error = head.failure()
@@ -364,15 +364,20 @@ class Pipeline:
         self._intake.put_back(received)
         self._handing = None
 
-    def _starved_message(self, limit: float) -> str:
+    def _starved(self, limit: float) -> PoolStarved:
+        """The PoolStarved error of a ``pop`` that waited ``limit`` seconds: its ``consumer_holds_all`` says
+        whether the consumer holds every slot (CropDataset adds what a DataLoader does to that)."""
         with self._cond:
             n_slots = self._executor.n_slots
             if self._consumer_holds_all():
-                return (
+                return PoolStarved(
                     f"no batch within pop_timeout_s={limit}: the consumer holds all {n_slots} batch slots. "
                     "Release batches (use `with p.pop() as batch:`), drop tensors made from old batches, or "
-                    "keep data with `.clone()`."
-                )
+                    "keep data with `.clone()`.", consumer_holds_all=True)
+        return PoolStarved(self._starved_message(limit), consumer_holds_all=False)
+
+    def _starved_message(self, limit: float) -> str:
+        with self._cond:
             in_flight = self._coordinator.in_flight()
             why = self._intake.starved_reason(in_flight > 0)
             if why is not None:
@@ -439,7 +444,7 @@ class Pipeline:
                     break
                 self._cond.wait(0.05)
             collector.waited()
-        raise PoolStarved(self._starved_message(limit))
+        raise self._starved(limit)
 
     # -- resumption -------------------------------------------------------------------------
 
