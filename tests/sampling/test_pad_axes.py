@@ -169,3 +169,16 @@ def test_padded_tile_grid_refuses_a_field_wholly_outside_and_takes_pad_axes(wx):
     tiles = stoker.TileGrid([uri], (4, 6, 6), stride=(4, 4, 4), pad="edge", pad_axes=(1, 2))
     assert sorted({s.aabb[0] for s in tiles}) == [(t, t + 4) for t in range(0, 48, 4)] + [(46, 50)]
     assert sorted({s.aabb[1] for s in tiles}) == [(-1, 5), (3, 9), (7, 13)] and len(tiles) == 13 * 3 * 3
+
+
+def test_no_anchor_in_one_of_several_volumes_names_its_arrays(wx, tmp_path):
+    """A source of several volumes whose fields share names: the error said field 'y' and shapes, not which
+    volume; it names the arrays' URI now (message and context)."""
+    uri, _ = wx
+    short = str(tmp_path / "short.zarr")
+    zarr.create_array(short, shape=(7, Y, X), chunks=(7, Y, X), dtype="f4")[:] = 1.0
+    vols = [_fields(uri), _fields(short)]
+    for pad in (None, "edge"):
+        with pytest.raises(InvalidArgument, match=rf"field 'y' \(arrays {short} of shape \(7, 9, 11\)") as info:
+            stoker.RandomCrops(vols, seed=0, pad=pad)
+        assert info.value.context["uri"] == short
