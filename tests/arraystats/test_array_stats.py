@@ -406,17 +406,28 @@ def test_one_array_s_scalar_statistics_on_an_array_with_a_channel_axis_are_refus
                 pass
 
 
-def test_one_array_s_scalar_statistics_fit_its_squeezed_2d_slices(tmp_path):
-    """2-D training from a 3-D volume: (1, H, W) crops squeezed to (B, H, W) hold no channels: normalised by
-    the volume's statistics, as numpy does."""
+def test_one_array_s_scalar_statistics_on_squeezed_crops_need_shared(tmp_path):
+    """A batch of fewer axes than the array's crops cannot tell a squeezed slice of the array from squeezed
+    crops of several arrays stacked as channels: a 4-D (T, Z, Y, X) array's statistics on (B, 2, 8, 8) of two
+    variables normalised the second with the first's mean and std. Refused, naming shared=True and the order;
+    shared=True normalises as numpy does, and Normalize before the squeeze, on (B, 1, H, W), is accepted."""
     rng = np.random.default_rng(5)
     data = rng.normal(3, 2, size=(4, 8, 8)).astype(np.float32)
     vol = write(tmp_path / "v.zarr", data, (2, 8, 8))
     st = stoker.compute_stats(vol, cache=False, progress=False)
-    batch = torch.from_numpy(data[:2].copy())  # two squeezed slices
-    out = Normalize.from_stats(st)(batch.clone())
+    temp = rng.normal(15, 4, size=(3, 2, 8, 8)).astype(np.float32)
+    st4 = stoker.compute_stats(write(tmp_path / "t.zarr", temp, (1, 2, 8, 8)), cache=False, progress=False)
+    stacked = torch.from_numpy(np.stack([temp[0], rng.normal(35, 0.5, (2, 8, 8)).astype(np.float32)], 1).copy())
+    for stats, batch in ((st4, stacked), (st, torch.from_numpy(data[:2].copy()))):
+        with pytest.raises(InvalidArgument, match=r"fewer axes.*Put Normalize before the transform that squeezes.*"
+                                                  r"shared=True"):
+            Normalize.from_stats(stats)(batch.clone())
     want = (data[:2] - float(st.mean)) / float(st.std)
+    out = Normalize.from_stats(st, shared=True)(torch.from_numpy(data[:2].copy()))  # on purpose
     np.testing.assert_allclose(out.numpy(), want, rtol=1e-6, atol=1e-6)
+    out = Normalize.from_stats(st)(torch.from_numpy(data[:2, None].copy()))  # before the squeeze: (B, 1, H, W)
+    np.testing.assert_allclose(out[:, 0].numpy(), want, rtol=1e-6, atol=1e-6)
+
 
 def test_from_stats_passes_keywords_to_the_constructor(arrays):
     class Named(Normalize):  # a Normalize that takes one more keyword (as field= is for named fields)

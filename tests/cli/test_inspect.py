@@ -99,7 +99,8 @@ def test_inspect_shows_dimensions_coordinates_and_cf(tmp_path, capsys):
                                           "dtype": "datetime64[ns]"}
     # xarray left the zarr fill_value 0 (not the _FillValue -1): a chunk not stored decodes to add_offset
     assert zarr.open_array(str(tmp_path / "d.zarr" / "p"), mode="r").fill_value == 0
-    assert got["cf"] == {"scale_factor": 0.5, "add_offset": 2.0, "missing": [-1.0], "missing_chunk": 2.0}
+    assert got["cf"] == {"scale_factor": 0.5, "add_offset": 2.0, "missing": [-1.0], "missing_chunk": 2.0,
+                         "unmatched": []}
     zarr.create_array(str(tmp_path / "plain.zarr"), shape=(4,), chunks=(4,), dtype="uint8")
     assert main(["inspect", str(tmp_path / "plain.zarr"), "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
@@ -337,3 +338,39 @@ def test_inspect_notes_a_missing_chunk_of_a_float_array_whose_fill_value_is_no_m
     read = zarr.open_array(uri, mode="r")[4:, 4:]
     assert (read == 0.0).all() and got["missing_chunk"] == 0.0 and got["missing"] == ["nan"]
     assert "note         a chunk not stored decodes to 0.0" in out and "none of the CF missing values" in out
+
+
+def test_inspect_notes_say_what_is_true_of_fills_that_mask_nothing(tmp_path, capsys):
+    """A uint8 array's _FillValue 300 is set, but no stored value can equal it: the note said "no CF
+    _FillValue is set". A complex array with scale_factor leaked numpy's ComplexWarning (its missing chunk
+    decoded through float64). A float array's _FillValue null (JSON null) was shown as "missing values [None]
+    -> NaN". zarr-python's reads of a chunk never written are the oracle of what the notes say it reads."""
+    import json
+    import warnings
+
+    def inspect(uri):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # nothing escapes
+            assert main(["inspect", uri]) == 0
+            out = capsys.readouterr().out
+            assert main(["inspect", uri, "--json"]) == 0
+        return out, json.loads(capsys.readouterr().out)["cf"]
+
+    u1 = str(tmp_path / "u1.zarr")
+    zarr.create_array(u1, shape=(4,), chunks=(2,), dtype="u1", fill_value=0,
+                      attributes={"_FillValue": 300, "scale_factor": 2.0})
+    out, cf = inspect(u1)
+    assert zarr.open_array(u1, mode="r")[0] == 0 and cf["missing_chunk"] == 0.0 and cf["unmatched"] == [300]
+    assert ("not NaN: the CF missing values [300] are no value a uint8 array can hold, so none is masked"
+            in out) and "no CF _FillValue is set" not in out
+
+    cx = str(tmp_path / "cx.zarr")
+    zarr.create_array(cx, shape=(4,), chunks=(2,), dtype="c8", fill_value=1 + 2j, attributes={"scale_factor": 0.5})
+    out, cf = inspect(cx)
+    assert zarr.open_array(cx, mode="r")[0] == 1 + 2j and cf["missing_chunk"] == [0.5, 1.0]
+    assert "a chunk not stored decodes to [0.5, 1.0]" in out
+
+    nul = str(tmp_path / "null.zarr")
+    zarr.create_array(nul, shape=(4,), chunks=(2,), dtype="f4", fill_value=0.0, attributes={"_FillValue": None})
+    out, cf = inspect(nul)
+    assert cf is None and "None" not in out and "cf decoding" not in out

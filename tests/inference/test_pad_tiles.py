@@ -170,3 +170,23 @@ def test_a_grid_s_tiles_are_cut_into_the_parts_box_arithmetic_gives(volume, tmp_
             want.append((r, box, (Ellipsis,) + local(box, aabb)))
         assert list(parts) == want, aabb
     writer.close()
+
+
+def test_a_grid_padded_on_some_axes_is_written_back_whole(volume, tmp_path):
+    """TileGrid(pad_axes=(1, 2)): axis 0 tiled as without pad (inside, overlapping, the last tile shifted
+    back), axes 1 and 2 padded (centres tile them). TileWriter(grid=) crops axis 0 as an unpadded grid's
+    (the border side of a border tile kept): every voxel written, as zarr-python reads the array."""
+    uri, data = volume
+    grid = stoker.TileGrid([uri], (6, 10, 6), stride=(4, 6, 2), pad="reflect", pad_axes=(1, 2))
+    starts = sorted({s.aabb[0] for s in grid})
+    assert starts == [(0, 6), (4, 10), (7, 13)] and min(s.aabb[1][0] for s in grid) == -2
+    out = str(tmp_path / "out.zarr")
+    writer = stoker.TileWriter(out, SHAPE, (5, 8, 4), "f4", blend="none", crop=(1, 2, 2), grid=grid, rank=0,
+                               world_size=1, fill_value=np.nan)
+    cfg = stoker.Config(batch_size=6, dtype="f32", device="cpu", n_compute_threads=1)
+    for samples, x in stoker.CropDataset(writer.pending(grid), cfg, with_samples=True):
+        for s, crop in zip(samples, x):
+            np.testing.assert_array_equal(crop.numpy(), _np_pad(data, s.aabb, "reflect"))
+        writer.write(samples, x)
+    writer.close()
+    np.testing.assert_array_equal(zarr.open_array(out, mode="r")[:], data)  # no NaN left: every voxel

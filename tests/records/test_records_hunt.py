@@ -106,6 +106,31 @@ def test_exclusive_end_bounds_may_equal_the_rows_when_named_in_ends():
         Concat(increment={"start": "atoms", "stop": "atoms"}, ends={"stop"})([s0, s1])
     with pytest.raises(InvalidArgument, match="not increment fields"):
         Concat(increment={"start": "atoms"}, ends={"stop"})
+    for bad in (5, None, [1], {"stop": 1.5}.values()):  # a bare TypeError of frozenset() before
+        with pytest.raises(InvalidArgument, match="ends must be a field name or a collection of them"):
+            Concat(increment={"start": "atoms", "stop": "atoms"}, ends=bad)
+
+
+def test_exclusive_end_bounds_on_the_named_dims_path_and_through_bind(tmp_path):
+    """``ends`` where the records' dims spec joins the fields (``Concat()`` bound by the Loader, and
+    ``along=`` given): stops equal to a record's rows shift to the next sample's start, as on the legacy path;
+    without ``ends`` they are refused. Values read back by zarr-python are the oracle."""
+    nodes, stops = (5, 4, 3), ([2, 5], [1, 4], [3])
+    for i, (n, st) in enumerate(zip(nodes, stops)):
+        g = zarr.open_group(os.path.join(tmp_path, f"r{i}.zarr"), mode="w")
+        g.create_array("atoms", data=np.arange(3 * n, dtype="f4").reshape(n, 3))
+        g.create_array("stop", data=np.array(st, "i8"))
+    ds = ZarrRecords(str(tmp_path), fields={"atoms": ("N", 3), "stop": ("S",)})
+    read = [zarr.open_array(os.path.join(tmp_path, f"r{i}.zarr", "stop"))[:] for i in range(3)]
+    want = np.concatenate([r + sum(nodes[:i]) for i, r in enumerate(read)]).tolist()
+    for collate in (Concat(increment={"stop": "N"}, ends={"stop"}),  # dims from the dataset, through bind
+                    Concat(increment={"stop": "N"}, ends="stop", along={"N": ["atoms"], "S": ["stop"]})):
+        batch = _first(Loader(ds, 3, collate=collate, shuffle=False, n_threads=1))
+        assert batch["stop"].tolist() == want and batch["atoms"].shape == (sum(nodes), 3)
+    bound = Concat(increment={"stop": "N"}, ends={"stop"}).bind(ds)
+    assert bound.dims is not None and bound.ends == {"stop"}
+    with pytest.raises(InvalidArgument, match=r"ends=\{'stop'\}"):
+        _first(Loader(ds, 3, collate=Concat(increment={"stop": "N"}), shuffle=False, n_threads=1))
 
 def test_a_pad_value_the_field_cannot_hold_is_refused_not_changed(tmp_path):
     # Pad(-1) on uint8 labels (an ignore_index) was 255, Pad(0.5) on int32 was 0: another value, silently.

@@ -116,6 +116,28 @@ def test_a_field_empty_in_every_record_is_an_error_not_statistics_of_nothing(tmp
     assert int(stats.count) == 12 and np.allclose(stats.mean.numpy(), want.mean(0), rtol=1e-15)
 
 
+def test_an_empty_fields_entry_cached_by_an_older_build_is_recomputed_and_refused(tmp_path, monkeypatch):
+    """A sidecar written before empty fields were refused holds ``vel`` as count 0, mean 0, std NaN; read
+    back as is, normalize passed a later record's velocities through unscaled. The entry now counts as
+    absent: the call recomputes and raises as the uncached call does."""
+    import zarr
+
+    from stoker.records import stats as stats_mod
+
+    for i in range(3):
+        g = zarr.open_group(str(tmp_path / f"r{i}.zarr"), mode="w")
+        g.create_array("pos", data=np.arange(12.0).reshape(4, 3) + i)
+        g.create_array("vel", data=np.zeros((0, 3)))
+    ds = ZarrRecords(str(tmp_path), fields={"pos": ("N", 3), "vel": ("M", 3)})
+    with monkeypatch.context() as m:  # the older build: no check, the entry written
+        m.setattr(stats_mod, "_check_some_finite", lambda merged, kind: None)
+        old = compute_stats(ds, ["pos", "vel"])
+    assert int(old["vel"].count) == 0 and bool(torch.isnan(old["vel"].std).all())
+    assert os.path.exists(sidecar.path_for(str(tmp_path)))
+    with pytest.raises(InvalidArgument, match="'vel' holds no value in any record"):
+        compute_stats(ds, ["pos", "vel"])
+
+
 def test_the_sidecar_records_skipped_counts_under_its_own_policy(tmp_path):
     root = str(tmp_path / "d")
     truth = write_with_nonfinite(root)

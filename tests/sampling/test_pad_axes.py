@@ -132,10 +132,53 @@ def test_pad_axes_arguments(wx, tmp_path):
         stoker.RandomCrops([uri], (4, 12, 6), pad="reflect", pad_axes=(2,))
 
 
-def test_padded_tile_grid_keeps_its_border_tiles(wx):
-    """A padded TileGrid's tiles follow the first field's (their centres tile its arrays): a target past the
-    last step at the last tiles is by design there, not narrowed away."""
+def test_padded_tile_grid_refuses_a_field_wholly_outside_and_takes_pad_axes(wx):
+    """A padded TileGrid's tiles follow the first field's (their centres tile its arrays, every voxel of it
+    covered); its last tiles put the target 7 steps on wholly past the 50th step, a box of nothing but the
+    edge pad (step 49 repeated). Dropping those tiles would leave the first field's last steps untiled, so the
+    grid is refused, naming the field, the tiles and pad_axes; with pad_axes=(1, 2) time is tiled as without
+    pad (every field inside, the last tile shifted back), lat/lon padded as before."""
+    uri, data = wx
+    with pytest.raises(InvalidArgument, match=r"tiles 22 to 24 \(of 25\) along axis 0 put field 'y''s box wholly "
+                                              r"outside .*\[51, 54\).*pass pad_axes without axis 0"):
+        stoker.TileGrid(_fields(uri), stride=(2, 5, 6), pad="edge")
+    with pytest.raises(InvalidArgument, match=r"field 'y'.*leave axis 0 out of pad_axes \(0, 1\)"):
+        stoker.TileGrid(_fields(uri), stride=(2, 5, 6), pad="edge", pad_axes=(0, 1))
+    grid = stoker.TileGrid(_fields(uri), stride=(2, 5, 6), pad="edge", pad_axes=(1, 2))
+    starts = sorted({s["x"].aabb[0][0] for s in grid})
+    assert starts == list(range(0, 42, 2)) and len(grid) == 21 * 2 * 2  # the last anchor keeps y inside: 40
+    assert max(s["y"].aabb[0][1] for s in grid) == T and min(s["ctx"].aabb[1][0] for s in grid) == -2  # ctx padded on lat
+    assert {s["x"].aabb[1] for s in grid} == {(0, 5), (5, 10)}  # lat still padded: its centres tile Y = 9
+    assert grid.identity()[-2:] == ["pad_axes", [1, 2]]
+    assert "pad_axes" not in stoker.TileGrid({"x": _fields(uri)["x"]}, stride=(2, 5, 6), pad="edge").identity()
+    cfg = stoker.Config(batch_size=2, dtype="f32", device="cpu", n_compute_threads=1, pop_timeout_s=30.0)
+    with stoker.Pipeline(cfg) as p:
+        tiles = [grid.sample(0, i) for i in (0, len(grid) - 1)]
+        p.push(tiles)
+        with p.pop() as b:
+            for k, s in enumerate(tiles):
+                for name in ("x", "y", "ctx"):
+                    want = _reference(data, s[name].aabb, "edge", None)
+                    np.testing.assert_array_equal(torch.from_dlpack(b[name])[k].numpy(), want)
+    for bad in ((3,), (0, 0), "1"):
+        with pytest.raises(InvalidArgument, match="TileGrid: pad_axes must be distinct axis numbers"):
+            stoker.TileGrid(_fields(uri), stride=(2, 5, 6), pad="edge", pad_axes=bad)
+    with pytest.raises(InvalidArgument, match="TileGrid: pad_axes .* needs pad="):
+        stoker.TileGrid(_fields(uri), stride=(2, 5, 6), pad_axes=(1, 2))
+    # arrays: time tiled inside (the last tile shifted back to the border), lat padded (centres tile it)
+    tiles = stoker.TileGrid([uri], (4, 6, 6), stride=(4, 4, 4), pad="edge", pad_axes=(1, 2))
+    assert sorted({s.aabb[0] for s in tiles}) == [(t, t + 4) for t in range(0, 48, 4)] + [(46, 50)]
+    assert sorted({s.aabb[1] for s in tiles}) == [(-1, 5), (3, 9), (7, 13)] and len(tiles) == 13 * 3 * 3
+
+
+def test_no_anchor_in_one_of_several_volumes_names_its_arrays(wx, tmp_path):
+    """A source of several volumes whose fields share names: the error said field 'y' and shapes, not which
+    volume; it names the arrays' URI now (message and context)."""
     uri, _ = wx
-    grid = stoker.TileGrid(_fields(uri), stride=(2, 5, 6), pad="edge")
-    assert len(grid) == 25 * 2 * 2
-    assert max(s["y"].aabb[0][0] for s in grid) == 48 + 7
+    short = str(tmp_path / "short.zarr")
+    zarr.create_array(short, shape=(7, Y, X), chunks=(7, Y, X), dtype="f4")[:] = 1.0
+    vols = [_fields(uri), _fields(short)]
+    for pad in (None, "edge"):
+        with pytest.raises(InvalidArgument, match=rf"field 'y' \(arrays {short} of shape \(7, 9, 11\)") as info:
+            stoker.RandomCrops(vols, seed=0, pad=pad)
+        assert info.value.context["uri"] == short

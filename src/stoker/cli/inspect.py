@@ -187,7 +187,8 @@ def _named(arr, options: dict[str, Any] | None) -> dict[str, Any]:
     names = dimension_names(arr)
     code = coding(arr)
     cf = {"scale_factor": code.scale, "add_offset": code.offset, "missing": [_plain(v) for v in code.fills],
-          "missing_chunk": _plain(_missing_chunk(arr, code))} if code is not None else _declared_missing(arr)
+          "missing_chunk": _plain(_missing_chunk(arr, code)),
+          "unmatched": _unmatched(arr, code)} if code is not None else _declared_missing(arr)
     if names is None:
         return {"dimensions": None, "coordinates": {}, "cf": cf}
     found = coordinates(arr, options)
@@ -201,9 +202,7 @@ def _declared_missing(arr) -> dict[str, Any] | None:
     """For an array CF decoding leaves as it is (a float array whose ``_FillValue`` is NaN): its declared
     missing values and what a chunk never written reads as, where that is a value and not one of them
     (xarray's v3 float writes: zarr ``fill_value`` 0 beside ``_FillValue`` NaN, so such a chunk reads 0.0)."""
-    attrs = attributes(arr)
-    declared = [attrs[k] for k in ("_FillValue", "missing_value") if k in attrs]
-    declared = [v for d in declared for v in (d if isinstance(d, list) else [d])]
+    declared = _declared(arr)
     if not declared:
         return None
     fill = np.asarray(arr.fill_value).reshape(-1)[0] if np.asarray(arr.fill_value).size else None
@@ -211,14 +210,41 @@ def _declared_missing(arr) -> dict[str, Any] | None:
             isinstance(d, (int, float)) and not isinstance(d, bool) and float(d) == float(fill) for d in declared):
         return None
     return {"scale_factor": None, "add_offset": None, "missing": [_plain(v) for v in declared],
-            "missing_chunk": _plain(float(fill))}
+            "missing_chunk": _plain(float(fill)), "unmatched": []}
 
 
-def _missing_chunk(arr, code) -> float:
+def _declared(arr) -> list[Any]:
+    """The CF missing values the attributes declare (``_FillValue``, ``missing_value``), as stored; a JSON
+    null (``_FillValue: null``, what some writers leave for "none") declares nothing, as CF decoding reads it."""
+    attrs = attributes(arr)
+    declared = [attrs[k] for k in ("_FillValue", "missing_value") if attrs.get(k) is not None]
+    return [v for d in declared for v in (d if isinstance(d, list) else [d]) if v is not None]
+
+
+def _unmatched(arr, code) -> list[Any]:
+    """The declared missing values CF decoding masks none with: those no stored value of the dtype can equal
+    (``_FillValue: 300`` of a uint8 array), and NaN (a NaN is NaN already)."""
+    masked = {float(v) for v in code.fills}
+    out = []
+    for v in _declared(arr):
+        try:
+            number = float(v)
+        except (TypeError, ValueError):  # a base64 float: decoded by coding_of, compared there
+            continue
+        if number not in masked:
+            out.append(_plain(v))
+    return out
+
+
+def _missing_chunk(arr, code) -> float | complex:
     """What an element of a chunk never written decodes to: the Zarr ``fill_value``, decoded as any stored
     value is (xarray does the same). A ``fill_value`` other than the CF ``_FillValue`` (xarray's v3 writes
     leave it 0) gives a real-looking number, ``add_offset`` for 0, not NaN."""
-    return float(code.decode(np.asarray([arr.fill_value], dtype=arr.dtype), np.float64)[0])
+    fill = np.asarray([arr.fill_value], dtype=arr.dtype)
+    if fill.dtype.kind == "c":  # decoded as complex numbers: through float64, the imaginary part was lost (and warned)
+        value = complex(fill[0]) * (1.0 if code.scale is None else code.scale) + (code.offset or 0.0)
+        return float("nan") if any(complex(fill[0]) == complex(f) for f in code.fills) else value
+    return float(code.decode(fill, np.float64)[0])
 
 
 def _label(value: Any) -> Any:
@@ -281,7 +307,11 @@ def describe(uri: str, sample_shape: tuple[int, ...] | None = None, options: dic
         lines.append(f"cf decoding  {', '.join(parts)} (as xarray; Config(cf=False): stored values)")
         gap = cf["missing_chunk"]
         if not (isinstance(gap, str) and gap == "nan"):  # a missing chunk reads as data, not as missing
+            unmatched = cf.get("unmatched") or []
+            never = [v for v in unmatched if not math.isnan(float(v))]
             why = f"the fill value is none of the CF missing values {cf['missing']}" if cf["missing"] else \
+                (f"the CF missing values {never} are no value a {f['dtype']} array can hold, so none is masked"
+                 if never else "the fill value is not the CF missing value NaN") if unmatched else \
                 "no CF _FillValue is set"
             lines.append(f"note         a chunk not stored decodes to {gap!r} (fill value {f['fill_value']} decoded), "
                          f"not NaN: {why}; a chunk never written (or left out for holding only the fill value) "

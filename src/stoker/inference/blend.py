@@ -20,17 +20,18 @@ Box = tuple[tuple[int, int], ...]
 
 
 def output_box(aabb: Sequence[Sequence[int]], crop: Sequence[int], shape: Sequence[int],
-               padded: bool = False) -> Box:
+               padded: bool | Sequence[bool] = False) -> Box:
     """The part of a tile whose prediction is kept (see the module docstring). A ``padded`` tile (a sample
     with ``pad``, which may reach past the array) has its context beyond the border too: ``crop`` comes off
-    every side, and what is left is clipped to the array.
+    every side, and what is left is clipped to the array. ``padded`` per axis: a grid padded on some axes
+    only (``TileGrid(pad_axes=...)``), tiled on the others as without pad.
 
     >>> output_box([(-20, 76), (36, 132)], crop=(20, 20), shape=(128, 120), padded=True)
     ((0, 56), (56, 112))
     """
-    if padded:
-        return tuple((max(a + c, 0), min(b - c, n)) for (a, b), c, n in zip(aabb, crop, shape))
-    return tuple((a if a <= 0 else a + c, b if b >= n else b - c) for (a, b), c, n in zip(aabb, crop, shape))
+    each = [bool(padded)] * len(aabb) if isinstance(padded, bool) else list(padded)
+    return tuple((max(a + c, 0), min(b - c, n)) if p else (a if a <= 0 else a + c, b if b >= n else b - c)
+                 for (a, b), c, n, p in zip(aabb, crop, shape, each))
 
 
 def window(blend: str, length: int) -> np.ndarray:

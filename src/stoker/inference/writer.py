@@ -508,7 +508,9 @@ class TileWriter:
     ``crop``: the margin dropped from every side of a prediction that is not on the array's border (an
     int, or one per spatial axis); from every side of a padded tile (``TileGrid(pad=...)``), what is left
     clipped to the array. ``grid``: the TileGrid the samples come from, to write regions as soon
-    as they are complete (a ``crop`` that would leave voxels its tiles cover unwritten is refused).
+    as they are complete (a ``crop`` that would leave voxels its tiles cover unwritten is refused); a grid's
+    ``pad_axes`` are cropped as padded, its other axes as without pad (without ``grid=`` a padded tile is
+    cropped as padded on every axis: pass the grid of a ``pad_axes`` grid).
     ``rank``/``world_size``: from ``torch.distributed`` (``group``'s) when not given, and refused when they
     are not this process's place in it; ``group``: the process group of the collectives. ``write_threads``,
     ``write_bytes``, ``write_timeout_s``: the background writes (the module docstring). An integer ``dtype``
@@ -563,6 +565,8 @@ class TileWriter:
                                   knob="grid")
         self.grid = grid
         self._ndim = len(grid.sample_shape) if grid is not None else None
+        # a padded tile's axes cropped as padded: all, or a grid's pad_axes (the others tiled as without pad)
+        self._padded_on = _padded_on(grid)
         self._crop_arg = crop
         self._tiles: set[Box] | None = None  # with grid=: the boxes of its tiles
         if grid is not None:  # refused before anything is made (the record keeps the crop, the store the shape)
@@ -613,6 +617,9 @@ class TileWriter:
             if grid is not None:  # another grid puts other tiles, so other values, in the regions it marked
                 settings["grid"] = {"sample_shape": list(grid.sample_shape), "stride": list(grid.stride),
                                     "pad": grid.pad}
+                axes = getattr(grid, "pad_axes", None)
+                if axes is not None:  # only when set: the records of grids without it still match
+                    settings["grid"]["pad_axes"] = list(axes)
             # a restart without grid= is not refused: its marks, like the grid's, are of whole regions
             # not fsynced here: with the array's metadata before the first mark (below), not before the first tile
             self.record.check_settings(settings, optional=("grid",), durable=False)
@@ -705,7 +712,7 @@ class TileWriter:
         return plan if held <= sums else None
 
     def _out(self, aabb: Sequence[Sequence[int]], padded: bool) -> Box:
-        return output_box(aabb, self.crop, self.spatial, padded)
+        return output_box(aabb, self.crop, self.spatial, self._padded_on if padded else False)
 
     def _owner(self, region: tuple[int, ...]) -> int:
         if self.world_size == 1:
@@ -1050,6 +1057,12 @@ def _crops(crop: Any, ndim: int) -> tuple[int, ...]:
     return crops
 
 
+def _padded_on(grid: Any) -> bool | tuple[bool, ...]:
+    """Which axes of a padded tile are cropped as padded: every one (True), or those of a grid's pad_axes."""
+    axes = getattr(grid, "pad_axes", None)
+    return True if axes is None else tuple(d in axes for d in range(len(grid.sample_shape)))
+
+
 def _refuse_holes(grid: TileGrid, tiles: set[Box], crop: tuple[int, ...], shape: tuple[int, ...]) -> None:
     """InvalidArgument where ``crop`` leaves voxels that the grid's ``tiles`` cover but none of their kept boxes
     does: written as the fill value without a word (a centre of ``tile - 2 * crop`` shorter than the stride). A
@@ -1058,7 +1071,7 @@ def _refuse_holes(grid: TileGrid, tiles: set[Box], crop: tuple[int, ...], shape:
     fill value."""
     ndim = len(crop)
     spatial = shape[-ndim:]  # (its rank checked first: _check_rank)
-    padded, warned = grid.pad is not None, False
+    padded, warned = _padded_on(grid) if grid.pad is not None else False, False
     for k, n in enumerate(spatial):
         along = {tile[k] for tile in tiles}
         gaps = holes([(0, n)], list(along), n)
@@ -1069,7 +1082,8 @@ def _refuse_holes(grid: TileGrid, tiles: set[Box], crop: tuple[int, ...], shape:
                           f"{tuple(grid.sample_shape)}, so voxels {a}..{b - 1} of axis {k} (and "
                           f"{sum(y - x for x, y in gaps) - (b - a)} more on it) are in no tile: they keep the fill "
                           "value. For a whole volume use a stride of at most the tile", UserWarning, stacklevel=3)
-        kept = [output_box((t,), (crop[k],), (n,), padded)[0] for t in along]
+        kept = [output_box((t,), (crop[k],), (n,), padded if isinstance(padded, bool) else padded[k])[0]
+                for t in along]
         found = holes(list(along), kept, n)
         if found:
             a, b = found[0]

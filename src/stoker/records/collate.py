@@ -27,6 +27,7 @@ in both: ``Concat`` joins it as shape ``(1,)`` (with its ``_batch``), ``Pad`` st
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any, Callable, Collection, Mapping, Sequence, Union
 
 import numpy as np
@@ -155,7 +156,11 @@ class Concat:
         for key, target in self.increment.items():
             if not isinstance(key, str) or not isinstance(target, str):
                 raise InvalidArgument(f"increment maps field names to field or dim names, got {key!r}: {target!r}")
-        self.ends = frozenset([ends] if isinstance(ends, str) else ends)
+        names = [ends] if isinstance(ends, str) else list(ends) if isinstance(ends, Iterable) else None
+        if names is None or not all(isinstance(n, str) for n in names):  # a number: a bare TypeError before
+            raise InvalidArgument(f"ends must be a field name or a collection of them (increment fields holding "
+                                  f"exclusive end bounds), got {ends!r}", knob="ends")
+        self.ends = frozenset(names)
         if not self.ends <= set(self.increment):
             raise InvalidArgument(f"ends {sorted(self.ends - set(self.increment))} are not increment fields "
                                   f"({sorted(self.increment)}): ends names index fields holding exclusive end bounds",

@@ -496,8 +496,10 @@ def _check_args(ds: Any, fields: Any, derived: Any) -> tuple[list[str], dict[str
 
 
 def _from_entry(entry: dict, expect: Mapping[str, int], derived: Sequence[str]) -> dict[str, FieldStats] | None:
-    """Statistics of a sidecar entry, or None when it does not hold what was asked for (or holds a non-finite
-    mean, as files written before non-finite values were refused could)."""
+    """Statistics of a sidecar entry, or None when it does not hold what was asked for, or holds what no
+    computation now returns: a non-finite mean (written before non-finite values were refused) or a count of
+    0 or a non-finite std (an empty field, written before empty fields were refused: mean 0, std NaN, which
+    normalize would pass through unscaled). None recomputes, and the computation raises what it now raises."""
     try:
         stats = {name: FieldStats.from_json(entry["stats"][name]) for name in [*expect, *derived]}
     except (KeyError, TypeError, ValueError):
@@ -506,8 +508,10 @@ def _from_entry(entry: dict, expect: Mapping[str, int], derived: Sequence[str]) 
         want = () if code == _SCALAR else (code,)
         if tuple(stats[name].mean.shape) != want:
             return None
-    if not all(bool(torch.isfinite(st.mean).all()) for st in stats.values()):
-        return None
+    for st in stats.values():
+        if not (bool(torch.isfinite(st.mean).all()) and bool(torch.isfinite(st.std).all())
+                and bool((st.count > 0).all())):
+            return None
     return stats
 
 

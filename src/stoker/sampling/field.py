@@ -210,10 +210,15 @@ class Volume:
                 ("" if self.pad is not None else ", or pass pad= (boxes may then extend past the arrays, padded)")
         keeps = ("the first field's box inside its arrays (or covering them) and every other field's box "
                  "overlapping its arrays") if padded else "every field's box inside its arrays"
+        # the volume's arrays by URI: in a source of several volumes the field names alone do not say which
+        arrays = self.fields[name].arrays
+        uri = arrays if isinstance(arrays, str) else arrays[0]
+        where = uri if isinstance(arrays, str) or len(arrays) == 1 else f"{uri} and {len(arrays) - 1} more"
         return InvalidArgument(
             f"{who}: no anchor on axis {d} keeps {keeps} (anchors on multiples of {self.step[d]}): field "
-            f"{below[0]!r} needs anchors >= {below[1]}, field {name!r} (arrays of shape {self.shapes[name]}, box "
-            f"{self.fields[name].shape}, scale {self.scales[name]}) <= {above[2]}; {fix}", field=name, axis=d)
+            f"{below[0]!r} needs anchors >= {below[1]}, field {name!r} (arrays {where} of shape {self.shapes[name]}, "
+            f"box {self.fields[name].shape}, scale {self.scales[name]}) <= {above[2]}; {fix}", field=name, axis=d,
+            uri=uri)
 
     @property
     def n_anchors(self) -> int:

@@ -435,13 +435,13 @@ class RandomCrops(SampleSource):
         return [] if self.pad_axes is None else ["pad_axes", list(self.pad_axes)]
 
 
-def _pad_axes(pad: str | None, pad_axes: Any, ndim: int) -> tuple[int, ...] | None:
+def _pad_axes(pad: str | None, pad_axes: Any, ndim: int, who: str = "RandomCrops") -> tuple[int, ...] | None:
     """``pad_axes`` checked: None (every axis may be padded), or axis numbers (negative from the end) in
     ``[-ndim, ndim)``, sorted; InvalidArgument without ``pad`` (it would mean nothing) or for another value."""
     if pad_axes is None:
         return None
     if pad is None:
-        raise InvalidArgument("RandomCrops: pad_axes names the axes boxes may be padded on, and needs pad= (the "
+        raise InvalidArgument(f"{who}: pad_axes names the axes boxes may be padded on, and needs pad= (the "
                               "mode that fills them): pass pad=, or leave pad_axes out", knob="pad_axes")
     if isinstance(pad_axes, (int, np.integer)) and not isinstance(pad_axes, bool):
         pad_axes = (pad_axes,)
@@ -449,7 +449,7 @@ def _pad_axes(pad: str | None, pad_axes: Any, ndim: int) -> tuple[int, ...] | No
         isinstance(a, (int, np.integer)) and not isinstance(a, bool) and -ndim <= a < ndim for a in pad_axes)
     axes = sorted({int(a) % ndim for a in pad_axes}) if ok else []
     if not ok or len(axes) != len(pad_axes):
-        raise InvalidArgument(f"RandomCrops: pad_axes must be distinct axis numbers in [-{ndim}, {ndim}) (the "
+        raise InvalidArgument(f"{who}: pad_axes must be distinct axis numbers in [-{ndim}, {ndim}) (the "
                               f"samples have {ndim} axes), got {pad_axes!r}", knob="pad_axes")
     return tuple(axes)
 
@@ -569,7 +569,9 @@ class TileGrid(SampleSource):
     tiles the array exactly, so tiles start every ``stride`` from ``-(sample_shape - stride) // 2``, the last ones
     extend past the far border, and every sample is padded (see :class:`~stoker.Sample`); an axis has
     ``ceil(length / stride)`` tiles, also an axis shorter than a tile. ``stride`` may not exceed the tile then.
-    ``TileWriter(crop=(sample_shape - stride) // 2)`` writes exactly the centres.
+    ``TileWriter(crop=(sample_shape - stride) // 2)`` writes exactly the centres. ``pad_axes`` (axis numbers,
+    with ``pad``, as for :class:`RandomCrops`) names the axes so laid out; the others are tiled as without
+    ``pad`` (inside the arrays, the last tile shifted back).
 
     >>> grid = stoker.TileGrid(["/data/vol.zarr"], (96, 96, 96), stride=(56, 56, 56))   # shape (128, 256, 256)
     >>> [grid.sample(0, i).aabb[0] for i in (0, len(grid) - 1)]
@@ -587,7 +589,10 @@ class TileGrid(SampleSource):
     boxes (where a context field, kept inside its arrays, stops the anchors short of the border) are tiled
     only with ``pad``. With ``pad`` the first field's tiles are laid
     out as a padded grid over arrays (their centres tile its arrays, the first box at minus the margin
-    ``(shape - stride / scale) // 2``); the anchors, and the other fields, follow them.
+    ``(shape - stride / scale) // 2``); the anchors, and the other fields, follow them, each sharing at least
+    a voxel with its arrays at every tile: a grid whose tiles put another field wholly outside them (a
+    forecast target past the last time step, nothing but pad) is an InvalidArgument naming the field and the
+    tiles; ``pad_axes=(1, 2)`` leaves time unpadded.
 
     >>> grid = stoker.TileGrid({"raw": stoker.Field("/data/raw.zarr", (96, 96, 96)),
     ...                         "labels": stoker.Field("/data/labels.zarr", (56, 56, 56), offset=(20, 20, 20))},
@@ -596,7 +601,7 @@ class TileGrid(SampleSource):
 
     def __init__(self, arrays: Any, sample_shape: Sequence[int] | None = None,
                  stride: Sequence[int] | None = None, shuffle: bool = False, seed: int = 0,
-                 storage_options: dict | None = None, pad: Any = None) -> None:
+                 storage_options: dict | None = None, pad: Any = None, pad_axes: Sequence[int] | None = None) -> None:
         self.pad = None if pad is False else check_pad(pad, "TileGrid")
         seed = _seed(seed, "TileGrid")
         volumes = _volumes_given(arrays)
@@ -605,24 +610,28 @@ class TileGrid(SampleSource):
             if sample_shape is not None:
                 raise InvalidArgument("TileGrid over fields takes each field's shape in its Field, not sample_shape; "
                                       "leave sample_shape out", knob="sample_shape")
+            self.pad_axes = _pad_axes(self.pad, pad_axes, len(next(iter(volumes[0].values())).shape), "TileGrid")
             self._init_fields(volumes, stride, shuffle, seed, storage_options)
             return
         if sample_shape is None:
             raise InvalidArgument("TileGrid over arrays needs sample_shape (the tile's shape)", knob="sample_shape")
         self.arrays = _entries(arrays, "TileGrid")
         self.sample_shape = integers("TileGrid: sample_shape", sample_shape, 1, knob="sample_shape")
+        self.pad_axes = _pad_axes(self.pad, pad_axes, len(self.sample_shape), "TileGrid")
         self.stride = self.sample_shape if stride is None else integers("TileGrid: stride", stride, 1, knob="stride")
         if len(self.stride) != len(self.sample_shape):
             raise InvalidArgument(f"stride must be {len(self.sample_shape)} positive integers, got {self.stride}",
                                   knob="stride")
-        if self.pad is not None and any(st > c for st, c in zip(self.stride, self.sample_shape)):
+        padded = self._padded_axes(len(self.stride))
+        if any(self.stride[d] > self.sample_shape[d] for d in padded):
             raise InvalidArgument(f"TileGrid(pad={self.pad!r}): stride {self.stride} exceeds the tile "
-                                  f"{self.sample_shape} on some axis; a padded grid's tile centres (the tile less "
-                                  "(sample_shape - stride) // 2 on each side) tile the array: use a stride up to "
-                                  "the tile", knob="stride")
-        # a padded grid's tiles start this far before each stride (the margin around each tile's centre)
-        self._margin = tuple((c - st) // 2 for c, st in zip(self.sample_shape, self.stride)) \
-            if self.pad is not None else (0,) * len(self.stride)
+                                  f"{self.sample_shape} on some padded axis; a padded grid's tile centres (the tile "
+                                  "less (sample_shape - stride) // 2 on each side) tile the array: use a stride up "
+                                  "to the tile", knob="stride")
+        # a padded grid's tiles start this far before each stride (the margin around each tile's centre); an
+        # axis not padded (pad_axes) is tiled as without pad: inside the array, the last tile shifted back
+        self._margin = tuple((c - st) // 2 if d in padded else 0
+                             for d, (c, st) in enumerate(zip(self.sample_shape, self.stride)))
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
         self.shapes = _entry_shapes(self.arrays, storage_options)
@@ -632,11 +641,9 @@ class TileGrid(SampleSource):
         for uri, shape in zip(self.arrays, self.shapes):
             if len(shape) != len(self.sample_shape):
                 raise _rank_mismatch(uri, self.sample_shape, shape)
-            if self.pad is not None:  # the centres tile the axis: ceil(length / stride) of them
-                counts = tuple(-(-s // st) for s, st in zip(shape, self.stride))
-            else:
-                counts = tuple(0 if s < c else -(-(s - c) // st) + 1 for s, c, st in
-                               zip(shape, self.sample_shape, self.stride))
+            # padded: the centres tile the axis, ceil(length / stride) of them; else the tiles inside it
+            counts = tuple(-(-s // st) if d in padded else 0 if s < c else -(-(s - c) // st) + 1
+                           for d, (s, c, st) in enumerate(zip(shape, self.sample_shape, self.stride)))
             self._counts.append(counts)
             if math.prod(counts) and self.pad is None:
                 self._shifted |= any((s - c) % st for s, c, st in zip(shape, self.sample_shape, self.stride))
@@ -668,8 +675,8 @@ class TileGrid(SampleSource):
         try:
             # overlap=False: a padded grid's tiles follow its first field's (their centres tile its arrays), and its
             # border tiles partly outside are by design
-            self.volumes = [open_volume(v, None, storage_options, stores, "TileGrid", pad=self.pad, overlap=False)
-                            for v in volumes]
+            self.volumes = [open_volume(v, None, storage_options, stores, "TileGrid", pad=self.pad,
+                                        pad_axes=self.pad_axes, overlap=False) for v in volumes]
         finally:
             stores.close()
         first = self.volumes[0].volume
@@ -697,11 +704,13 @@ class TileGrid(SampleSource):
                     f"of volume {i} lie on (the least common multiple of its fields' scales): round it to one",
                     knob="stride")
             lattice = tuple(s // st for s, st in zip(self.stride, step))
-            if self.pad is not None:
-                self._starts.append(_padded_layout(mv.volume, self.stride, self.pad, i))
-                counts = self._starts[-1][1]
-            else:
-                counts = tuple(-(-(n - 1) // q) + 1 for n, q in zip(mv.volume.counts, lattice))
+            counts = tuple(-(-(n - 1) // q) + 1 for n, q in zip(mv.volume.counts, lattice))
+            if self.pad is not None:  # the padded axes laid out from the first field's tiles, the others as above
+                padded = self._padded_axes(ndim)
+                first_anchor, padded_counts = _padded_layout(mv.volume, self.stride, self.pad, i, padded)
+                counts = tuple(padded_counts[d] if d in padded else c for d, c in enumerate(counts))
+                self._starts.append((first_anchor, counts))
+                _check_overlapping(mv.volume, first_anchor, counts, self.stride, padded, i, self.pad_axes)
             self._lattice_stride.append(lattice)
             self._counts.append(counts)
             self._offsets.append(self._offsets[-1] + math.prod(counts))
@@ -712,6 +721,16 @@ class TileGrid(SampleSource):
         self._perm = None
 
     complete_epochs = True
+
+    def _padded_axes(self, ndim: int) -> tuple[int, ...]:
+        """The axes tiles may reach past the arrays on: every axis with pad, or those of pad_axes; none without."""
+        if self.pad is None:
+            return ()
+        return tuple(range(ndim)) if self.pad_axes is None else self.pad_axes
+
+    def _pad_axes_id(self) -> list:
+        # only when given: grids without pad_axes keep their fingerprints
+        return [] if self.pad_axes is None else ["pad_axes", list(self.pad_axes)]
 
     def __len__(self) -> int:
         return self._offsets[-1]
@@ -730,14 +749,20 @@ class TileGrid(SampleSource):
             tile.append(t)
         if self.volumes is not None and self.pad is not None:  # tile t's first-field centre starts at t * stride
             volume = self.volumes[a].volume
-            first = self._starts[a][0]
-            return volume.sample(tuple(f + t * st for f, t, st in zip(first, reversed(tile), self.stride)))
+            first, padded = self._starts[a][0], self._padded_axes(len(self.stride))
+            return volume.sample(tuple(f + t * st if d in padded else
+                                       (volume.first[d] + min(t * q, n - 1)) * volume.step[d]
+                                       for d, (f, t, st, q, n) in enumerate(zip(
+                                           first, reversed(tile), self.stride, self._lattice_stride[a],
+                                           volume.counts))))
         if self.volumes is not None:  # the last tile of an axis at the last anchor
             volume = self.volumes[a].volume
             k = [min(t * q, n - 1) for t, q, n in zip(reversed(tile), self._lattice_stride[a], volume.counts)]
             return volume.sample(volume.anchor(k))
-        if self.pad is not None:  # tile t's centre starts at t * stride
-            corner = [t * st - m for t, st, m in zip(reversed(tile), self.stride, self._margin)]
+        if self.pad is not None:  # tile t's centre starts at t * stride (an axis not in pad_axes: as below)
+            padded = self._padded_axes(len(self.stride))
+            corner = [t * st - m if d in padded else min(t * st, s - c) for d, (t, st, m, s, c) in
+                      enumerate(zip(reversed(tile), self.stride, self._margin, self.shapes[a], self.sample_shape))]
         else:  # the last tile of an axis ends at the border (shifted back when the strides do not land there)
             corner = [min(t * st, s - c) for t, st, s, c in
                       zip(reversed(tile), self.stride, self.shapes[a], self.sample_shape)]
@@ -747,7 +772,7 @@ class TileGrid(SampleSource):
         """The arrays, their shapes, the tile shape and stride, and the order's settings."""
         if self.volumes is not None:
             return ["fields", _fields_identity(self.fields, self.volumes), self.stride, self.shuffle, self.seed] + \
-                _order_id(self) + ([] if self.pad is None else ["pad", self.pad])
+                _order_id(self) + ([] if self.pad is None else ["pad", self.pad]) + self._pad_axes_id()
         # grids whose last tiles are shifted to the border hold other tiles than before they were: marked, so a
         # state saved for the grid that left the remainder out is not resumed into this one
         cover = ["cover-border"] if self._shifted else []
@@ -756,22 +781,24 @@ class TileGrid(SampleSource):
             _order_id(self) + cover + pad
 
 
-def _padded_layout(volume: Any, stride: tuple[int, ...], pad: str, i: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """A padded grid over fields: ``(first anchor, tiles per axis)``. The first field's tiles are laid out as
-    a padded grid over arrays: their centres (the box less ``(shape - stride) // 2`` on each side, in its own
-    voxels) tile its arrays, so its boxes start every stride at ``-(shape - stride) // 2``; the anchor
-    follows (``box start * scale - offset``), and the other fields with it."""
+def _padded_layout(volume: Any, stride: tuple[int, ...], pad: str, i: int,
+                   padded: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A padded grid over fields: ``(first anchor, tiles per axis)``, of which the axes ``padded`` count. The
+    first field's tiles are laid out as a padded grid over arrays: their centres (the box less
+    ``(shape - stride) // 2`` on each side, in its own voxels) tile its arrays, so its boxes start every
+    stride at ``-(shape - stride) // 2``; the anchor follows (``box start * scale - offset``), and the other
+    fields with it."""
     name = volume.names[0]
     f, scale, shape = volume.fields[name], volume.scales[name], volume.shapes[name]
     own = [st // s for st, s in zip(stride, scale)]  # the stride in the first field's voxels
-    if any(st > c for st, c in zip(own, f.shape)):
+    if any(own[d] > f.shape[d] for d in padded):
         raise InvalidArgument(
             f"TileGrid(pad={pad!r}): stride {stride} (reference voxels; {tuple(own)} of field {name!r}'s voxels) "
             f"exceeds field {name!r}'s box {f.shape} on some axis; a padded grid's tile centres tile the arrays: use "
             "a stride up to the first field's extent", knob="stride")
     first = tuple(-((c - st) // 2) * s - o for c, st, s, o in zip(f.shape, own, scale, f.offset))
     for d, (a, step) in enumerate(zip(first, volume.step)):
-        if a % step:
+        if d in padded and a % step:
             raise InvalidArgument(
                 f"TileGrid(pad={pad!r}) over volume {i}: the first tile's anchor on axis {d} is {a} (field {name!r}'s "
                 f"box less its margin (shape - stride) // 2, times its scale, less its offset), not a multiple of "
@@ -779,6 +806,35 @@ def _padded_layout(volume: Any, stride: tuple[int, ...], pad: str, i: int) -> tu
                 "choose a stride whose margin is a multiple of it", knob="stride", axis=d)
     counts = tuple(-(-n // st) for n, st in zip(shape, own))
     return first, counts
+
+
+def _check_overlapping(volume: Any, first: Sequence[int], counts: Sequence[int], stride: Sequence[int],
+                       padded: Sequence[int], i: int, pad_axes: Any) -> None:
+    """InvalidArgument where a padded grid's tile puts a field other than the first wholly outside its arrays
+    on a padded axis (a forecast target past the last time step): it would be nothing but the pad. The first
+    field's tiles overlap its arrays by construction; dropping the tile would leave its voxels out of a grid
+    that covers them all, so the grid is refused instead."""
+    for d in padded:
+        for name in volume.names[1:]:
+            f, s, a = volume.fields[name], volume.scales[name][d], volume.shapes[name][d]
+            lo, hi = s * (1 - f.shape[d]) - f.offset[d], s * (a - 1) - f.offset[d]  # anchors sharing a voxel
+            # the tiles t whose anchor first[d] + t * stride[d] lies below lo, and above hi
+            below = min(counts[d], max(0, -(-(lo - first[d]) // stride[d])))
+            above = max(0, min(counts[d], (hi - first[d]) // stride[d] + 1))
+            for t0, t1 in ((0, below), (above, counts[d])):
+                if t0 >= t1:
+                    continue
+                anchor = first[d] + t0 * stride[d]
+                (b0, b1) = volume.box(name, [anchor if k == d else 0 for k in range(len(first))])[d]
+                tiles = f"tile {t0}" if t1 - t0 == 1 else f"tiles {t0} to {t1 - 1}"
+                fix = (f"leave axis {d} out of pad_axes {tuple(pad_axes)}" if pad_axes is not None else
+                       f"pass pad_axes without axis {d} (the axes that may be padded; on the others the tiles keep "
+                       "every field inside its arrays, as without pad)")
+                raise InvalidArgument(
+                    f"TileGrid: volume {i}'s {tiles} (of {counts[d]}) along axis {d} put field {name!r}'s box wholly "
+                    f"outside its arrays' [0, {a}) on that axis (tile {t0}: [{b0}, {b1})): it would hold nothing but the "
+                    f"pad; {fix}, or give {name!r} an offset and shape that keep it overlapping its arrays at "
+                    "every tile of the first field", field=name, axis=d, knob="pad_axes")
 
 
 class SampleList(SampleSource):

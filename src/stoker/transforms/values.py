@@ -104,7 +104,9 @@ class Normalize:
         all alike with one array's numbers) is an InvalidArgument unless ``axis=`` is given. Scalar statistics
         of one array likewise fit the batches of its crops only: a batch of another number of axes (a field of
         several arrays stacked as channels, or an array with a channel axis) is an InvalidArgument naming the
-        field and its channels, unless ``shared=True`` (one mean and std for every channel, on purpose).
+        field and its channels, unless ``shared=True`` (one mean and std for every channel, on purpose); so is
+        a batch of fewer axes (crops squeezed before Normalize, which may hold several arrays stacked):
+        normalise before the squeeze, or pass ``shared=True``.
 
         >>> norm = Normalize.from_stats(stoker.compute_stats([["/d/c0.zarr", "/d/c1.zarr"]])[0])
         >>> norm = Normalize.from_stats(stoker.compute_stats("/d/rgb.zarr", channel_axis=-1))  # (B, Y, X, 3)
@@ -180,9 +182,21 @@ class Normalize:
         """A typed error unless ``x`` is a batch of crops of an array of ``n`` axes (or of a list of one such
         array), which scalar statistics of one array of ``n`` axes fit: another batch has channels (several
         arrays stacked, or a channel axis of another array) that one array's mean and std would all shift
-        alike, silently. Fewer axes (2-D slices of a 3-D array, squeezed) hold no more channels than its crops."""
-        if x.dim() <= n + 1 or (x.dim() == n + 2 and x.shape[1] == 1):
+        alike, silently. Fewer axes are refused too: the batch alone cannot tell a squeezed slice of the array
+        ``(B, Z, Y, X)`` of a 4-D one from squeezed crops of several arrays stacked, ``(B, A, Y, X)``; the
+        error says to normalise before the squeeze, or to pass ``shared=True``."""
+        if x.dim() == n + 1 or (x.dim() == n + 2 and x.shape[1] == 1):
             return
+        if x.dim() < n + 1:
+            raise InvalidArgument(
+                f"Normalize.from_stats has one mean and std ({self.mean.item():.6g}, {self.std.item():.6g}) of one "
+                f"array of {n} axes, which fit a batch of its crops, (B, *box) with {n + 1} axes; {where}the batch "
+                f"has shape {tuple(x.shape)}, fewer axes: squeezed crops, which may be slices of that one array or "
+                "crops of several arrays stacked as channels (each of which would be normalised with that one "
+                "array's statistics), and the batch does not say which. Put Normalize before the transform that "
+                "squeezes the crops (it then sees (B, *box)), or pass shared=True to from_stats to normalise "
+                "the whole batch with these statistics on purpose",
+                knob="transform", field=self.field)
         channels = (f"{x.shape[1]} channels on axis 1 (several arrays stacked as channels, or an array with a "
                     "channel axis)" if x.dim() == n + 2 else
                     f"{x.dim() - 1} axes per sample (an array of another rank, or with channel axes)")
