@@ -288,3 +288,28 @@ def test_chained_precomputes_settle_after_a_rewrite(tmp_path):
     assert run(va=3) == (2, 2)
     b = ZarrRecords(root, fields=["pos", "b"])[1]
     np.testing.assert_allclose(b["b"].numpy(), b["pos"].sum(0).numpy() * 6, rtol=1e-6)
+
+
+def test_a_rewrite_reaches_the_end_of_a_chain_of_precomputes(tmp_path):
+    # c = f(pos), a = g(c), b = h(a), each on a dataset of its input only: a rewrite of "pos" recomputes all
+    # three (b's input "a" is digested with the digests it was computed from, which changed with "c").
+    root = str(tmp_path / "d")
+    rng = np.random.default_rng(0)
+    for i in range(2):
+        zarr.open_group(os.path.join(root, f"rec_{i}.zarr"), mode="w").create_array(
+            "pos", data=rng.random((5, 3), dtype="f4"))
+
+    def run() -> tuple[int, int, int]:
+        rc = precompute(ZarrRecords(root, fields=["pos"]), "c", lambda s: s["pos"] * 2, {"v": 1})
+        ra = precompute(ZarrRecords(root, fields=["c"]), "a", lambda s: s["c"] + 1, {"v": 1})
+        rb = precompute(ZarrRecords(root, fields=["a"]), "b", lambda s: s["a"] * 10, {"v": 1})
+        return rc.written, ra.written, rb.written
+
+    assert run() == (2, 2, 2)
+    assert run() == (0, 0, 0)
+    g = zarr.open_group(os.path.join(root, "rec_1.zarr"), mode="r+")
+    g.create_array("pos", data=np.full((5, 3), 100.0, "f4"), overwrite=True)
+    assert run() == (1, 1, 1)
+    assert run() == (0, 0, 0)
+    r = ZarrRecords(root, fields=["b"])[1]
+    np.testing.assert_array_equal(r["b"].numpy(), np.full((5, 3), 2010.0, "f4"))
