@@ -66,7 +66,7 @@ from typing import Any, Callable, Sequence, Sized
 import numpy as np
 
 from ..checks import integers
-from ..dist.collectives import active_group, all_gather_object, barrier, group_position, resolve_rank
+from ..dist.collectives import active_group, all_gather_object, group_position, resolve_rank
 from ..errors import DtypeMismatch, InvalidArgument, RankFailed, StorageError
 from ..sampling.sample import Sample, box_of
 from ..sampling.samplers import SampleList, TileGrid
@@ -576,18 +576,22 @@ class TileWriter:
             self._tiles = {box_of(grid.sample(0, i)) for i in range(len(grid))}
             _refuse_holes(grid, self._tiles, _crops(crop, len(grid.sample_shape)), self.shape)
         store = array_store(self.uri, storage_options)  # a path, or zarr's ObjectStore over obstore
+        failed: BaseException | None = None
         if self.rank == 0:
             try:
-                arr = _open_output(store, self.uri)
-            except (FileNotFoundError, KeyError, zarr.errors.NodeNotFoundError):  # type: ignore[attr-defined]
-                fmt: Any = zarr_format  # zarr's stubs want Literal[2, 3]; zarr checks the value
-                # a record left beside a removed array vouches for none of the new one's regions
-                forget(self.uri, storage_options)
-                with writing(self.uri, "the array's metadata"):
-                    arr = zarr.create_array(store, shape=self.shape, chunks=tuple(chunks),
-                                            shards=None if shards is None else tuple(shards), dtype=dtype,
-                                            zarr_format=fmt, fill_value=fill_value)
-        barrier(group)  # the array exists before the other ranks open it
+                try:
+                    arr = _open_output(store, self.uri)
+                except (FileNotFoundError, KeyError, zarr.errors.NodeNotFoundError):  # type: ignore[attr-defined]
+                    fmt: Any = zarr_format  # zarr's stubs want Literal[2, 3]; zarr checks the value
+                    # a record left beside a removed array vouches for none of the new one's regions
+                    forget(self.uri, storage_options)
+                    with writing(self.uri, "the array's metadata"):
+                        arr = zarr.create_array(store, shape=self.shape, chunks=tuple(chunks),
+                                                shards=None if shards is None else tuple(shards), dtype=dtype,
+                                                zarr_format=fmt, fill_value=fill_value)
+            except Exception as e:
+                failed = e
+        self._in_step(failed)  # the array exists before the other ranks open it
         if self.rank != 0:
             arr = _open_output(store, self.uri)
         _check_existing(self.uri, arr, self.shape, np.dtype(dtype), tuple(int(c) for c in chunks),
@@ -615,8 +619,11 @@ class TileWriter:
                                     "pad": grid.pad}
             # a restart without grid= is not refused: its marks, like the grid's, are of whole regions
             # not fsynced here: with the array's metadata before the first mark (below), not before the first tile
-            self.record.check_settings(settings, optional=("grid",), durable=False)
-        barrier(group)
+            try:
+                self.record.check_settings(settings, optional=("grid",), durable=False)
+            except Exception as e:
+                failed = e
+        self._in_step(failed)
         # the regions written and marked (the record's, then each after its mark): what pending() skips
         self.done = self.record.done()
         self._handed = set(self.done)  # those, and the regions handed to be written: no part opens them again
@@ -801,6 +808,17 @@ class TileWriter:
                 if r in self._handed:
                     continue
                 parts[self._owner(r)].append((r, key, box, pred[at], start))
+
+    def _in_step(self, failed: BaseException | None) -> None:
+        """A barrier of the ranks that also hands them rank 0's failure (``failed``, raised there): each raises
+        it at once rather than wait in the barrier rank 0 never reaches (the group's timeout, or for ever while
+        rank 0 lives on)."""
+        if active_group(self.group) is not None and self.world_size > 1:
+            everyone = all_gather_object(_reason(failed) if failed is not None else None, self.group)
+            if failed is None:
+                _raise_for_others(self.uri, "__init__", everyone)
+        if failed is not None:
+            raise failed
 
     def _exchange(self, parts: list[list[Part]], failed: BaseException | None) -> list[Part]:
         """The parts of this rank's regions, from every rank; ``failed``: this rank's batch failed (refused, or
