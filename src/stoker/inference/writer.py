@@ -799,8 +799,7 @@ class TileWriter:
                                       "(as TileGrid(pad=...) does), or keep its box inside the array", uri=self.uri)
             if any(b <= a for a, b in out):
                 # nothing of it would be written, and the voxels only it covers would keep the fill value
-                raise InvalidArgument(f"TileWriter(crop={self._crop_arg}): the sample {s!r} is cropped away whole "
-                                      f"(its kept box is {out}): use a crop under half the tile on each axis",
+                raise InvalidArgument(_cropped_away(self.uri, self._crop_arg, s, aabb, self.crop, self.spatial),
                                       uri=self.uri, knob="crop")
             cut = self._cuts.get((key, s.pad is not None))
             start, pieces = cut if cut is not None else self._cut_of(key, s.pad is not None)
@@ -1185,6 +1184,23 @@ def _check_finite_fits(p: np.ndarray, dtype: np.dtype, uri: str) -> None:
                             f"{float(big.max()):g} would be written as infinity in {uri}'s dtype {dtype} (its "
                             f"largest value is {float(room.max):g}): scale or clip them, or write a wider float "
                             "array", uri=uri)
+
+
+def _cropped_away(uri: str, crop_arg: Any, s: Sample, aabb: Box, crop: Sequence[int],
+                  spatial: Sequence[int]) -> str:
+    """Why ``write`` refuses the sample ``s`` whose kept box is empty: on which axis, with the numbers, and
+    the largest crop that keeps something of it there (a padded tile's kept box is also clipped to the array,
+    so half the tile is not the bound for it)."""
+    padded = s.pad is not None
+    k = next(k for k, (a, b) in enumerate(output_box(aabb, crop, spatial, padded)) if b <= a)
+    (a, b), c, n = aabb[k], crop[k], spatial[k]
+    kept = (a + c, b - c) if padded else output_box(((a, b),), (c,), (n,))[0]
+    fits = [c2 for c2 in range(c) if (o := output_box(((a, b),), (c2,), (n,), padded)[0])[0] < o[1]]
+    advice = f"use a crop of at most {max(fits)} on axis {k}" if fits else \
+        "the tile lies wholly outside the array: leave it out"
+    return (f"TileWriter(crop={crop_arg}): the crop leaves nothing of the sample {s!r} inside the array {uri}: "
+            f"on axis {k} its box {(a, b)} less the crop {c} is {kept}, and the array spans (0, {n}) there "
+            f"(the voxels only it covers would keep the fill value): {advice}")
 
 
 def _reason(failed: BaseException) -> tuple[str, str]:
