@@ -672,7 +672,8 @@ def test_a_tile_cropped_away_whole_is_an_invalid_argument(volume, tmp_path):
     out = str(tmp_path / "o.zarr")
     inner = stoker.Sample(uri, [(4, 12), (10, 20), (4, 13)])
     writer = stoker.TileWriter(out, SHAPE, (4, 8, 8), "f4", crop=(4, 2, 2))
-    with pytest.raises(stoker.InvalidArgument, match="cropped away whole") as err:
+    with pytest.raises(stoker.InvalidArgument, match=r"crop leaves nothing of the sample .* on axis 0 its box "
+                       r"\(4, 12\) less the crop 4 is \(8, 8\).*use a crop of at most 3 on axis 0") as err:
         writer.write([inner], np.ones((1,) + TILE, "f4"))
     assert err.value.knob == "crop"
     whole = stoker.Sample(uri, [(0, 13), (10, 20), (4, 13)])  # spans axis 0: its border sides are kept
@@ -683,6 +684,27 @@ def test_a_tile_cropped_away_whole_is_an_invalid_argument(volume, tmp_path):
     expect[0:13, 12:18, 6:11] = 1
     np.testing.assert_array_equal(got, expect)
 
+
+
+def test_a_padded_tile_cropped_out_of_the_array_says_which_crop_keeps_it(tmp_path):
+    """A padded tile mostly past the array, its crop under half the tile: the advice to crop under half the
+    tile was wrong for it. The refusal says what the crop leaves of it (nothing inside the array), with the
+    numbers, and the largest crop that keeps some of it; with that crop it is written."""
+    src = str(tmp_path / "in.zarr")
+    zarr.create_array(src, shape=(100, 100), chunks=(50, 50), dtype="f4")[:] = 1
+    out = str(tmp_path / "o.zarr")
+    s = stoker.Sample(src, [(-20, 10), (0, 30)], pad="reflect")  # 30 voxels, 10 of them inside the array
+    writer = stoker.TileWriter(out, (100, 100), (50, 50), "f4", crop=12)
+    with pytest.raises(stoker.InvalidArgument, match=r"crop leaves nothing of the sample .* inside the array .* "
+                       r"on axis 0 its box \(-20, 10\) less the crop 12 is \(-8, -2\), and the array spans "
+                       r"\(0, 100\).*use a crop of at most 9 on axis 0") as err:
+        writer.write([s], np.ones((1, 30, 30), "f4"))
+    assert err.value.knob == "crop"
+    writer.close()
+    with stoker.TileWriter(str(tmp_path / "o9.zarr"), (100, 100), (50, 50), "f4", crop=9) as w:
+        w.write([s], np.full((1, 30, 30), 2, "f4"))
+    got = zarr.open_array(str(tmp_path / "o9.zarr"), mode="r")[:]
+    assert (got[:1, 9:21] == 2).all() and (got[1:] == 0).all() and (got[:, 21:] == 0).all()
 
 def test_an_unreachable_object_store_is_a_storage_error(tmp_path):
     """TileWriter("s3://...") whose endpoint does not answer raised obstore's GenericError from opening the

@@ -177,3 +177,33 @@ def test_a_write_failing_in_close_on_one_rank_fails_close_on_every_rank(uri, tmp
         took, kind, why = close.split("|", 2)
         assert kind == StorageError.__name__ and float(took) < PROMPT_S, (r, close)
         assert ("region (0, 0, 0)" if r == 0 else "rank 0 failed") in why, (r, close)
+
+
+def _rank_opening(rank, world, init, out, result):
+    dist = _group(rank, world, init)
+    try:
+        log = _timed(lambda: stoker.TileWriter(out, SHAPE, CHUNKS, "f4", blend="none", write_threads=0))
+        with open(f"{result}-{rank}", "w") as f:
+            f.write(log)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("case", ["store", "settings"])
+def test_a_writer_rank_0_cannot_open_fails_on_every_rank_at_once(uri, tmp_path, case):
+    """Rank 0 makes the array (and checks the record's settings) before a barrier: failing there, it raised and
+    the other ranks waited in the barrier for the group's timeout (for ever while rank 0 lived on). Now rank 0
+    tells them how it went, and all raise its error."""
+    if case == "store":  # the output's folder is a file: making the array's metadata fails
+        open(tmp_path / "file", "w").close()
+        out, kind, own = str(tmp_path / "file" / "two.zarr"), StorageError, "writing the array's metadata"
+    else:  # a record of a writer with another blend: refused
+        out, kind, own = str(tmp_path / "two.zarr"), InvalidArgument, "blend"
+        with stoker.TileWriter(out, SHAPE, CHUNKS, "f4", blend="hann", write_threads=0) as w:
+            w.write([stoker.Sample(uri, [(0, 24), (0, 24), (0, 24)])], _pred())
+    result = str(tmp_path / "r")
+    torch.multiprocessing.spawn(_rank_opening, args=(2, str(tmp_path / "init"), out, result), nprocs=2, join=True)
+    for r in range(2):
+        took, name, why = open(f"{result}-{r}").read().split("|", 2)
+        assert name == kind.__name__ and float(took) < PROMPT_S, (r, took, name, why)
+        assert (own if r == 0 else f"rank 0 {'failed' if kind is StorageError else 'refused'}") in why, (r, why)

@@ -66,7 +66,7 @@ from typing import Any, Callable, Sequence, Sized
 import numpy as np
 
 from ..checks import integers
-from ..dist.collectives import active_group, all_gather_object, barrier, group_position, resolve_rank
+from ..dist.collectives import active_group, all_gather_object, group_position, resolve_rank
 from ..errors import DtypeMismatch, InvalidArgument, RankFailed, StorageError
 from ..sampling.sample import Sample, box_of
 from ..sampling.samplers import SampleList, TileGrid
@@ -580,18 +580,22 @@ class TileWriter:
             self._tiles = {box_of(grid.sample(0, i)) for i in range(len(grid))}
             _refuse_holes(grid, self._tiles, _crops(crop, len(grid.sample_shape)), self.shape)
         store = array_store(self.uri, storage_options)  # a path, or zarr's ObjectStore over obstore
+        failed: BaseException | None = None
         if self.rank == 0:
             try:
-                arr = _open_output(store, self.uri)
-            except (FileNotFoundError, KeyError, zarr.errors.NodeNotFoundError):  # type: ignore[attr-defined]
-                fmt: Any = zarr_format  # zarr's stubs want Literal[2, 3]; zarr checks the value
-                # a record left beside a removed array vouches for none of the new one's regions
-                forget(self.uri, storage_options)
-                with writing(self.uri, "the array's metadata"):
-                    arr = zarr.create_array(store, shape=self.shape, chunks=tuple(chunks),
-                                            shards=None if shards is None else tuple(shards), dtype=dtype,
-                                            zarr_format=fmt, fill_value=fill_value)
-        barrier(group)  # the array exists before the other ranks open it
+                try:
+                    arr = _open_output(store, self.uri)
+                except (FileNotFoundError, KeyError, zarr.errors.NodeNotFoundError):  # type: ignore[attr-defined]
+                    fmt: Any = zarr_format  # zarr's stubs want Literal[2, 3]; zarr checks the value
+                    # a record left beside a removed array vouches for none of the new one's regions
+                    forget(self.uri, storage_options)
+                    with writing(self.uri, "the array's metadata"):
+                        arr = zarr.create_array(store, shape=self.shape, chunks=tuple(chunks),
+                                                shards=None if shards is None else tuple(shards), dtype=dtype,
+                                                zarr_format=fmt, fill_value=fill_value)
+            except Exception as e:
+                failed = e
+        self._in_step(failed)  # the array exists before the other ranks open it
         if self.rank != 0:
             arr = _open_output(store, self.uri)
         _check_existing(self.uri, arr, self.shape, np.dtype(dtype), tuple(int(c) for c in chunks),
@@ -622,8 +626,11 @@ class TileWriter:
                     settings["grid"]["pad_axes"] = list(axes)
             # a restart without grid= is not refused: its marks, like the grid's, are of whole regions
             # not fsynced here: with the array's metadata before the first mark (below), not before the first tile
-            self.record.check_settings(settings, optional=("grid",), durable=False)
-        barrier(group)
+            try:
+                self.record.check_settings(settings, optional=("grid",), durable=False)
+            except Exception as e:
+                failed = e
+        self._in_step(failed)
         # the regions written and marked (the record's, then each after its mark): what pending() skips
         self.done = self.record.done()
         self._handed = set(self.done)  # those, and the regions handed to be written: no part opens them again
@@ -799,8 +806,7 @@ class TileWriter:
                                       "(as TileGrid(pad=...) does), or keep its box inside the array", uri=self.uri)
             if any(b <= a for a, b in out):
                 # nothing of it would be written, and the voxels only it covers would keep the fill value
-                raise InvalidArgument(f"TileWriter(crop={self._crop_arg}): the sample {s!r} is cropped away whole "
-                                      f"(its kept box is {out}): use a crop under half the tile on each axis",
+                raise InvalidArgument(_cropped_away(self.uri, self._crop_arg, s, aabb, self.crop, self.spatial),
                                       uri=self.uri, knob="crop")
             cut = self._cuts.get((key, s.pad is not None))
             start, pieces = cut if cut is not None else self._cut_of(key, s.pad is not None)
@@ -808,6 +814,17 @@ class TileWriter:
                 if r in self._handed:
                     continue
                 parts[self._owner(r)].append((r, key, box, pred[at], start))
+
+    def _in_step(self, failed: BaseException | None) -> None:
+        """A barrier of the ranks that also hands them rank 0's failure (``failed``, raised there): each raises
+        it at once rather than wait in the barrier rank 0 never reaches (the group's timeout, or for ever while
+        rank 0 lives on)."""
+        if active_group(self.group) is not None and self.world_size > 1:
+            everyone = all_gather_object(_reason(failed) if failed is not None else None, self.group)
+            if failed is None:
+                _raise_for_others(self.uri, "__init__", everyone)
+        if failed is not None:
+            raise failed
 
     def _exchange(self, parts: list[list[Part]], failed: BaseException | None) -> list[Part]:
         """The parts of this rank's regions, from every rank; ``failed``: this rank's batch failed (refused, or
@@ -1181,6 +1198,23 @@ def _check_finite_fits(p: np.ndarray, dtype: np.dtype, uri: str) -> None:
                             f"{float(big.max()):g} would be written as infinity in {uri}'s dtype {dtype} (its "
                             f"largest value is {float(room.max):g}): scale or clip them, or write a wider float "
                             "array", uri=uri)
+
+
+def _cropped_away(uri: str, crop_arg: Any, s: Sample, aabb: Box, crop: Sequence[int],
+                  spatial: Sequence[int]) -> str:
+    """Why ``write`` refuses the sample ``s`` whose kept box is empty: on which axis, with the numbers, and
+    the largest crop that keeps something of it there (a padded tile's kept box is also clipped to the array,
+    so half the tile is not the bound for it)."""
+    padded = s.pad is not None
+    k = next(k for k, (a, b) in enumerate(output_box(aabb, crop, spatial, padded)) if b <= a)
+    (a, b), c, n = aabb[k], crop[k], spatial[k]
+    kept = (a + c, b - c) if padded else output_box(((a, b),), (c,), (n,))[0]
+    fits = [c2 for c2 in range(c) if (o := output_box(((a, b),), (c2,), (n,), padded)[0])[0] < o[1]]
+    advice = f"use a crop of at most {max(fits)} on axis {k}" if fits else \
+        "the tile lies wholly outside the array: leave it out"
+    return (f"TileWriter(crop={crop_arg}): the crop leaves nothing of the sample {s!r} inside the array {uri}: "
+            f"on axis {k} its box {(a, b)} less the crop {c} is {kept}, and the array spans (0, {n}) there "
+            f"(the voxels only it covers would keep the fill value): {advice}")
 
 
 def _reason(failed: BaseException) -> tuple[str, str]:

@@ -186,10 +186,11 @@ class ZarrRecords(torch.utils.data.Dataset):
             return self._stores
 
     def _forget_changed_archives(self) -> None:
-        """Before a record's identity is taken and it is read: drop this process's stores of zip archives
-        changed since they were opened, so the read goes through the archive there now (the identity, a stat
-        of the archive's file, is taken first: a change between the two shows as a change at the next check),
-        never through the old one's open store with the new identity (served stale for ever)."""
+        """After a record's identity is taken, before it is read: drop this process's stores of zip archives
+        changed since they were opened, so the read goes through the archive there now, never through the old
+        one's open store with the new identity (served stale for ever). The identity (a stat of the archive's
+        file) must come first: an archive replaced after it shows as a change at the next check, whichever
+        archive the read went through."""
         if self._in_store:
             with self._lock:
                 stores = self._stores if self._stores_pid == os.getpid() else None
@@ -379,8 +380,8 @@ class ZarrRecords(torch.utils.data.Dataset):
         names = self._check_subset(fields)
         if self._eager is not None:
             if not unchanged(self._catalog, b, self._catalog.fields, self._eager_ids[b]):  # rewritten since
-                self._forget_changed_archives()                                          # read: read again
-                ident = record_identity(self._catalog, b, self._catalog.fields)
+                ident = record_identity(self._catalog, b, self._catalog.fields)            # read: read again
+                self._forget_changed_archives()
                 try:
                     self._eager[b] = self._read(b, self._catalog.fields)
                     self._eager_ids[b] = ident
@@ -398,8 +399,8 @@ class ZarrRecords(torch.utils.data.Dataset):
                 self._cache.reject(key, entry)
                 entry = None
             if entry is None:
-                self._forget_changed_archives()
                 ident = record_identity(self._catalog, b, names)
+                self._forget_changed_archives()
                 entry = (self._read(b, names), ident)
                 self._cache.put(key, entry)
             # Clones out: a caller normalising in place must not change what the cache holds.

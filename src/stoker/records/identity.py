@@ -15,7 +15,7 @@ deleted and made again on a file system that hands the freed inode back) within 
 timestamp granularity (a few ms on ext4) of when the identity was taken, which leaves its time as it was;
 likewise a file added within that granularity of the listing goes unseen until its folder changes again.
 An entry whose folder was missing when the identity was taken (``()``) or that could not be stat'ed
-(``UNKNOWN``) is never unchanged. A field in a zip
+(``UNKNOWN``) is never unchanged, and digests (:func:`digest`) to a new value each time. A field in a zip
 archive is identified by the archive's file; a field in an object store or on an HTTP server by nothing
 (None: such caches are checked by shape and dtype only, as a listing per record would cost about what the
 read it guards costs).
@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 from typing import Any, Sequence
 
 from ..storage.locate import locate
@@ -150,9 +151,14 @@ _ENTRY_BYTES = 200  # sys.getsizeof of a 4-tuple (72), of its three ints (3 x 32
 
 def digest(files: Files | None) -> str | None:
     """Hex digest of ``files``' keys, sizes and modification times (files only, not folders, and not inodes: a
-    copy that keeps times, on another node, digests alike); None for None."""
+    copy that keeps times, on another node, digests alike); None for None. An identity that tells nothing for
+    sure (its folder missing, ``()``, or an entry that could not be stat'ed or listed, ``UNKNOWN``) digests to
+    a random value, equal to no other: what was computed from it is computed again (as :func:`unchanged` is
+    never true of it), not kept for as long as the folder stays unlistable whatever is written below it."""
     if files is None:
         return None
+    if not files or any(f[1] == UNKNOWN for f in files):
+        return secrets.token_hex(16)
     return hashlib.sha256(json.dumps([f[:3] for f in files if f[1] != -1]).encode()).hexdigest()[:32]
 
 

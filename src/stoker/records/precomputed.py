@@ -144,14 +144,30 @@ def stored_inputs(record: str, name: str) -> Any:
     return entry.get("inputs") if isinstance(entry, dict) else None
 
 
+def _leads_to(record: str, field: str, name: str) -> bool:
+    """Whether the stored inputs of ``field`` name ``name``, directly or through other precomputed arrays' stored
+    inputs (each array's attributes read once; a cycle among them ends the walk)."""
+    seen, todo = {field}, [field]
+    while todo:
+        stored = stored_inputs(record, todo.pop())
+        for k in stored if isinstance(stored, dict) else ():
+            if k == name:
+                return True
+            if k not in seen:
+                seen.add(k)
+                todo.append(k)
+    return False
+
+
 def record_inputs(ds: ZarrRecords, i: int, name: str) -> dict[str, list]:
     """``{field: [stored shape, dtype, files]}`` of record ``i``'s fields but ``name``, as JSON data: what an
     array precomputed from them was computed from. ``files`` digests the size and modification time of each
     file of the field (:func:`stoker.records.identity.fields_digest`; None for a field in an object store).
-    An array precompute wrote is digested by what it was computed as instead (its fingerprint and the files of
-    the fields it was computed from that precompute did not write), not by its files: chained precomputes, each
-    on a dataset holding the other's array, would otherwise each see the other rewritten at every run and
-    recompute for ever."""
+    An array precompute wrote is digested by what it was computed as instead: its fingerprint and its stored
+    ``inputs`` (the digests as they were when it was computed, so a change anywhere up a chain
+    ``c = f(pos)``, ``a = g(c)``, ``b = h(a)`` reaches ``b``), less ``name`` and the fields whose stored inputs
+    lead to ``name``: chained precomputes, each on a dataset holding the other's array, would otherwise each
+    see the other rewritten at every run and recompute for ever."""
     info = ds.metadata(i)
     others = [f for f in sorted(info.fields) if f != name]
     record = record_folder(ds, i)
@@ -159,7 +175,7 @@ def record_inputs(ds: ZarrRecords, i: int, name: str) -> dict[str, list]:
     files: dict[str, str | None] = ds.files_digest(i, [f for f in others if f not in derived])
     for f, fp in derived.items():
         stored = stored_inputs(record, f)
-        source = {k: v for k, v in stored.items() if stored_fingerprint(record, k) is None} \
+        source = {k: v for k, v in stored.items() if k != name and not _leads_to(record, k, name)} \
             if isinstance(stored, dict) else None
         files[f] = hashlib.sha256(_canonical([fp, source]).encode()).hexdigest()[:32]
     return {f: [list(info.fields[f].stored_shape), np.dtype(info.fields[f].dtype).str, files[f]] for f in others}

@@ -67,5 +67,9 @@ def settle(wait_s: float = EXIT_WAIT_S) -> int:
         count = asyncio.run_coroutine_threadsafe(_cancel_pending(wait_s), loop).result(wait_s + 1.0)
     except Exception:  # noqa: BLE001 - at exit: a loop stopping under us has nothing left to wait for
         pass
-    time.sleep(GRACE_S)  # even with none pending: a request that just ended may still hold the GIL
+    # Even with none pending (not skipped: a script's last TileWriter.close() just before the exit is that case):
+    # a request's tokio thread hands its result with loop.call_soon_threadsafe, which leaves the GIL to write to
+    # the loop's wake-up socket; the loop may finish the task meanwhile, and the thread then takes the GIL back
+    # and releases it. Finalisation begun by then aborts the process in PyGILState_Release.
+    time.sleep(GRACE_S)
     return int(count)

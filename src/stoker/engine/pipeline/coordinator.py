@@ -821,7 +821,8 @@ def _renewed_alike(uri: str, reader: ArrayReader, store: LocalStore) -> bool:
                 attrs = _json_file(folder + "zarr.json").get("attributes") or {}
             else:
                 attrs = _json_file(folder + ".zattrs") if metas[2] is not None else {}
-            if not isinstance(attrs, dict) or any(attrs.get(k) != old_attrs.get(k) for k in _DECODING_ATTRIBUTES):
+            if not isinstance(attrs, dict) or not all(_same_attribute(attrs.get(k), old_attrs.get(k))
+                                                      for k in _DECODING_ATTRIBUTES):
                 return False
     except (OSError, ValueError, AttributeError, StokerError):
         return False
@@ -836,6 +837,18 @@ def _same_metadata(new: ArrayMetadata, old: ArrayMetadata) -> bool:
     if a.dtype != b.dtype or a.tobytes() != b.tobytes():
         return False
     return dataclasses.replace(new, fill_value=b) == old
+
+
+def _same_attribute(new: Any, old: Any) -> bool:
+    """``new == old`` for attribute values parsed from JSON, a NaN equal to a NaN (``missing_value: NaN``, as
+    xarray writes it; also inside a list): otherwise an unrelated attribute update was refused as a rewrite."""
+    if isinstance(new, float) and isinstance(old, float) and new != new and old != old:
+        return True
+    if isinstance(new, list) and isinstance(old, list):
+        return len(new) == len(old) and all(_same_attribute(a, b) for a, b in zip(new, old))
+    if isinstance(new, dict) and isinstance(old, dict):
+        return new.keys() == old.keys() and all(_same_attribute(new[k], old[k]) for k in new)
+    return bool(new == old)
 
 
 def _json_file(path: str) -> Any:
