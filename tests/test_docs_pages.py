@@ -74,3 +74,56 @@ def test_the_inference_page_says_a_stride_past_the_tile_leaves_gaps(tmp_path):
     assert len(covered) < 20
     text = " ".join((DOCS / "inference.md").read_text().split())
     assert "a larger stride leaves gaps" in text
+
+
+def test_the_inference_page_says_a_grid_of_arrays_all_too_short_is_refused(tmp_path):
+    """docs/inference.md said an array shorter than the tile "gets no tile ..., with a warning": true beside an
+    array that holds one; a grid none of whose arrays holds a tile is an InvalidArgument, as it says now."""
+    import warnings
+
+    import zarr
+
+    import stoker
+
+    short, long = str(tmp_path / "short.zarr"), str(tmp_path / "long.zarr")
+    zarr.create_array(short, shape=(6,), chunks=(6,), dtype="u1")
+    zarr.create_array(long, shape=(20,), chunks=(8,), dtype="u1")
+    with pytest.warns(UserWarning, match="shorter than the tile"):
+        assert len(stoker.TileGrid([short, long], (8,))) == 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(stoker.InvalidArgument, match="no array can hold"):
+            stoker.TileGrid([short], (8,))
+    text = " ".join((DOCS / "inference.md").read_text().split())
+    assert "a grid whose arrays are all too short for one is an `InvalidArgument`" in text
+
+
+def test_the_dataloader_page_names_the_error_of_a_float16_overflow_after_normalize(tmp_path):
+    """docs/dataloader.md said a Normalize result past 65504 "in float16" is an InvalidArgument; on a batch
+    tensor made in float32 and rounded to "f16" it is a DtypeMismatch (a user catching InvalidArgument missed
+    it), on a float16 field an InvalidArgument. The page says which is which now."""
+    import zarr
+
+    import stoker
+    from stoker.transforms import Normalize
+
+    uri = str(tmp_path / "a.zarr")
+    zarr.create_array(uri, shape=(4, 4), chunks=(4, 4), dtype="f4")[:] = 7.5
+    box = [(0, 4), (0, 4)]
+
+    def first(cfg, samples):
+        with stoker.Pipeline(cfg) as p:
+            p.push(samples)
+            with p.pop(timeout=20):
+                pass
+
+    huge = dict(mean=0.0, std=1e-4)  # 7.5 / 1e-4 = 75000 > 65504
+    with pytest.raises(stoker.DtypeMismatch, match="65504"):
+        first(stoker.Config(batch_size=1, dtype="f16", transform=Normalize(**huge)), [stoker.Sample(uri, box)])
+    fields = [stoker.Sample({"a": (uri, box), "b": (uri, box)})]
+    with pytest.raises(stoker.InvalidArgument, match="65504"):
+        first(stoker.Config(batch_size=1, dtype={"a": "f16", "b": "f32"}, transform=Normalize(**huge, field="a")),
+              fields)
+    text = " ".join((DOCS / "dataloader.md").read_text().split())
+    assert 'a result past 65504 rounded into `"f16"` is a `DtypeMismatch`' in text
+    assert "on a float16 field a result past 65504 is an `InvalidArgument`" in text

@@ -78,3 +78,17 @@ def test_readme_errors_section_names_every_error_class():
     classes = [name for name, obj in vars(stoker.errors).items()
                if inspect.isclass(obj) and issubclass(obj, stoker.errors.StokerError)]
     assert [name for name in classes if f"`{name}`" not in text and f"`stoker.{name}`" not in text] == []
+
+
+def test_every_error_the_readme_names_is_an_attribute_of_stoker():
+    """The README lists the errors as stoker's (`except stoker.NonFiniteLoss:`); MissingDependency was only in
+    stoker.errors, so `except stoker.MissingDependency` was an AttributeError inside the handler."""
+    import inspect
+
+    import stoker
+    import stoker.errors
+
+    classes = [name for name, obj in vars(stoker.errors).items()
+               if inspect.isclass(obj) and issubclass(obj, stoker.errors.StokerError)]
+    assert [name for name in classes if getattr(stoker, name, None) is not getattr(stoker.errors, name)] == []
+    assert [name for name in classes if name not in stoker.__all__] == []

@@ -27,7 +27,7 @@ from .device.prefetch import DevicePrefetcher
 from .device.pin import Pinnable, pin_object
 from .errors import (BudgetExceeded, CheckpointError, ClaimTimeout, DecodeError, DeviceError, DtypeMismatch,
                      ForkedPipeline, IncompleteSource, InternalError, InvalidArgument,
-                     MetadataError, NonFiniteData, NonFiniteLoss, NotFound, NotYetSupported, OutOfBounds, OutOfMemory, PoolStarved,
+                     MetadataError, MissingDependency, NonFiniteData, NonFiniteLoss, NotFound, NotYetSupported, OutOfBounds, OutOfMemory, PoolStarved,
                      RankFailed, RankMismatch, ShutdownError, StokerError, StorageError, ThreadStartError,
                      UnsupportedFormat, UnusedParameters)
 
@@ -74,6 +74,7 @@ __all__ = [
     "InternalError",
     "InvalidArgument",
     "MetadataError",
+    "MissingDependency",
     "NonFiniteData",
     "NonFiniteLoss",
     "NotFound",
