@@ -9,17 +9,18 @@
 #   run(command="bash benchmarks/gpu_checks.sh", carry=[".whl"], timeout_s=600)
 # or some of the steps: `bash benchmarks/gpu_checks.sh tests bench` (setup always runs first).
 #
-# Steps, each under its own timeout, all of them within GPU_CHECKS_BUDGET_S (default 560 s) so the call
+# Steps, each under its own timeout (SIGINT first, so pytest prints its failures and summary and the bench
+# keeps its JSON; SIGKILL 20 s later), all of them within GPU_CHECKS_BUDGET_S (default 560 s) so the call
 # returns inside its 600 s with every log; a step the budget cannot hold is skipped, and says so:
 #   setup    the carried wheels into /tmp/site; the compiled reader built in place for this Python (without
 #            it the pipeline decodes on its Python path and the engine's tests skip)
-#   tests    pytest -m cuda over tests/: every test marked cuda (the CUDA path, the GPU decode with nvCOMP,
-#            fields, padding, integer casts, CF decoding, keyed transforms on the device, the hybrid decode:
+#   tests    pytest -m cuda, tests/gpu first (the hybrid decode, the streams, nvCOMP, the fused placement:
 #            tests/gpu/test_hybrid_executor.py; the copy, decode and place streams over many waves, and a
 #            staging buffer held until its slowed copy has read it, slowed decodes and placements (the hybrid's
 #            too) waited for by events, close() with the place stream busy ~2 s bounded and its buffers kept:
-#            tests/gpu/test_gpu_streams.py); a test module whose
-#            imports are missing there is reported as a collection error, not a stop
+#            tests/gpu/test_gpu_streams.py), then every other test marked cuda (the CUDA path, fields,
+#            padding, integer casts, CF decoding, keyed transforms on the device); -rfEs --durations=20. A
+#            test module whose imports are missing there is reported as a collection error, not a stop
 #   bench    stoker bench --device cuda --decode-on hybrid --scenarios 8,9,1 --rounds 2: the plain
 #            --device cuda run's peers (stoker cpu, stoker cuda, tensorstore+pin) plus the GPU decode, the
 #            2-thread CPU decode and the hybrid decode (its PCIe bytes per engine); without nvCOMP the plain
@@ -64,7 +65,8 @@ START=$SECONDS
 
 wanted() { [[ " ${STEPS[*]} " == *" $1 "* ]]; }
 
-# step NAME LIMIT_S CMD...: CMD under `timeout` (LIMIT_S, or what the budget has left), its output in
+# step NAME LIMIT_S CMD...: CMD under `timeout` (LIMIT_S, or what the budget has left; SIGINT first: a
+# pytest killed by SIGTERM prints no summary, so its failures would be lost), its output in
 # $OUT_DIR/NAME.log, its tail printed, one line in the summary
 step() {
     local name=$1 limit=$2
@@ -77,7 +79,7 @@ step() {
     fi
     echo "== $name (at most ${limit}s): $*"
     local t0=$SECONDS rc
-    timeout -k 10 "$limit" "$@" >"$OUT_DIR/$name.log" 2>&1
+    timeout -s INT -k 20 "$limit" "$@" >"$OUT_DIR/$name.log" 2>&1
     rc=$?
     tail -n "${TAIL_LINES:-40}" "$OUT_DIR/$name.log"
     local what="rc=$rc"
@@ -121,7 +123,15 @@ echo "setup: done in $((SECONDS - START))s" | tee -a "$SUMMARY"
 
 # -- the CUDA tests ---------------------------------------------------------------------------------------
 if wanted tests; then
-    step tests 210 "$PY" -m pytest -q -p no:cacheprovider -m cuda -rfEs --continue-on-collection-errors tests/
+    # tests/gpu first and, in it, the tests of what has never run on a GPU; then the rest of tests/, each
+    # path named once (pytest merges a folder named beside a path inside it into the folder's own order)
+    paths=(tests/gpu/test_hybrid_executor.py tests/gpu/test_gpu_streams.py tests/gpu/test_gpu_nvcomp.py
+        tests/gpu/test_gpu_fused.py)
+    for p in tests/gpu/test_*.py tests/*/ tests/test_*.py; do
+        [[ $p == tests/gpu/ || " ${paths[*]} " == *" $p "* ]] || paths+=("$p")
+    done
+    step tests 210 "$PY" -m pytest -q -p no:cacheprovider -m cuda -rfEs --durations=20 \
+        --continue-on-collection-errors "${paths[@]}"
 fi
 
 # -- the bench on the GPU ---------------------------------------------------------------------------------
