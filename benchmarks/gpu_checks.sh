@@ -151,7 +151,7 @@ export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
     fi
     carried=
     compgen -G ".whl/nvidia_libnvcomp*.whl" >/dev/null && carried=1
-    NVCOMP_CARRIED=$carried STOP_FILE=$STOP TINY=${GPU_CHECKS_TINY:-} timeout 120 "$PY" - <<'EOF'
+    NVCOMP_CARRIED=$carried STOP_FILE=$STOP CHECKS_TINY=${GPU_CHECKS_TINY:-} timeout 120 "$PY" - <<'EOF'
 import importlib.util
 import os
 import sys
@@ -180,7 +180,7 @@ else:
           f"compiled engine: {native.Engine is not None}; nvCOMP: {nvcomp.available()}")
     if native.Engine is None:
         stops.append("the compiled reader is not there (see 'compiled reader' above)")
-    if not cuda and not os.environ["TINY"]:
+    if not cuda and not os.environ["CHECKS_TINY"]:
         stops.append("torch sees no CUDA device")
     if cuda and os.environ["NVCOMP_CARRIED"] and not nvcomp.available():
         try:
