@@ -15,7 +15,7 @@ import zarr
 from zarr.codecs import ZstdCodec
 
 import stoker
-from stoker.engine.cast import OVERFLOW_AT, check_fill
+from stoker.engine.cast import OVERFLOW_AT, check_fill, copy_cast
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -204,3 +204,16 @@ def test_overflow_thresholds_are_where_the_casts_reach_inf():
         else:
             f32 = torch.tensor([at, np.nextafter(np.float32(at), np.float32(0))], dtype=torch.float32)
             assert torch.isinf(f32.to(torch.bfloat16)).tolist() == [True, False]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64", ">f4"])
+def test_nans_cast_into_bfloat16_by_torch_are_the_compiled_engine_s_0x7fc0(dtype):
+    # the Python path and the GPU decode's CPU fallback cast through torch, whose vectorised cast gives 0xFFFF
+    src = np.array([np.nan, -np.nan, 1.0, np.inf] * 8, dtype)
+    src[4] = np.frombuffer(np.array([0x7FC01234], np.uint32).tobytes(), np.float32)[0]  # a payload NaN
+    dst = torch.empty(src.shape, dtype=torch.bfloat16)
+    copy_cast(dst, src)
+    bits = dst.view(torch.int16).int() & 0xFFFF
+    assert set(bits[torch.isnan(dst)].tolist()) == {0x7FC0}
+    assert int(torch.isnan(dst).sum()) == 16
+    assert torch.equal(dst[~torch.isnan(dst)], torch.tensor([1.0, float("inf")] * 8, dtype=torch.bfloat16))

@@ -104,8 +104,8 @@ def _run(samples, **kw):
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit for bit, except the bits of NaNs in bfloat16: the CPU path itself gives 0x7FC0 from its compiled
-    engine and what torch's vectorised cast gives (0xFFFF here) from the Python path and zarr + torch."""
+    """Bit for bit, except the bits of NaNs in bfloat16: stoker's paths give 0x7FC0 (the compiled engine's, and
+    copy_cast's after torch's cast), the oracle zarr + torch what torch's vectorised cast gives (0xFFFF here)."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     same = _bits(a) == _bits(b)
@@ -161,6 +161,29 @@ def test_chunks_with_nothing_stored_get_every_bit_of_the_fill_value(tmp_path, gp
         assert _same(g, w), (array, fill, dtype)
     for row, s in zip(torch.cat(got), samples):
         assert _same(row, _expected(data, s, dtype).to(row.dtype)), (array, fill, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_stored_nans_into_bfloat16_are_the_cpu_path_s_bits(tmp_path, gpu_decode, dtype):
+    # float data into bf16 is cast on the CPU under decode_on="gpu" (through torch, not the compiled engine):
+    # its NaNs must be the compiled engine's 0x7FC0 too, not torch's vectorised 0xFFFF
+    data = np.random.default_rng(3).random((16, 32, 32)).astype(dtype)
+    data[data < 0.2] = np.nan
+    data[data > 0.9] = -np.nan
+    z = zarr.create_array(str(tmp_path / "n.zarr"), shape=data.shape, chunks=(8, 16, 16), dtype=dtype,
+                          compressors=ZstdCodec(level=1))
+    z[:] = data
+    samples = _samples(_uri(z), data.shape, (8, 16, 16), 4, seed=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # (float into bfloat16 is cast on the CPU)
+        got, _ = _run(samples, dtype="bf16")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pipelines, "make_executor", executors.make_executor)
+        want, _ = _run(samples, dtype="bf16")
+    g, w = torch.cat(got), torch.cat(want)
+    assert int(torch.isnan(g).sum()) > 100
+    assert set((_bits(w)[torch.isnan(w)] & 0xFFFF).tolist()) == {0x7FC0}
+    assert torch.equal(_bits(g), _bits(w))
 
 
 @pytest.mark.parametrize("written", [True, False])

@@ -9,6 +9,9 @@ Triton's interpreter: tests/conftest.py sets TRITON_INTERPRET=1 before anything 
 from __future__ import annotations
 
 import os
+import threading
+import time
+import warnings
 
 import numpy as np
 import pytest
@@ -156,6 +159,90 @@ def test_copies_longer_than_a_launch_are_placed_in_parts(arrays, placements, mon
     monkeypatch.setattr(fused, "BLOCK", 64)
     batches = _run(placements, "fused", samples, "bf16")
     assert batches and all(_same_bits(r, g) for r, g in zip(reference, batches, strict=True))
+
+
+class _Kernel:
+    """Stands in for a Triton kernel: ``warmup`` (the compile) slowed, counted, failing with ``fails``; each
+    launch records its constants and whether the launch lock was held."""
+
+    def __init__(self, fails: BaseException | None = None):
+        self.fails, self.compiles, self.launches, self.active, self.most = fails, [], [], 0, 0
+        self.count = threading.Lock()
+
+    def warmup(self, *args, grid, **constants):
+        with self.count:
+            self.active += 1
+            self.most = max(self.most, self.active)
+        time.sleep(0.05)
+        with self.count:
+            self.active -= 1
+            self.compiles.append(constants["NDIM"])
+        if self.fails is not None:
+            raise self.fails
+
+    def __getitem__(self, grid):
+        return lambda *args, **constants: self.launches.append((constants["NDIM"], fused._LAUNCH_LOCK.locked()))
+
+
+@pytest.fixture
+def fresh_variants(monkeypatch):
+    """No variant launched or broken yet, and the launches a device's (not the interpreter's: every launch
+    of which takes the lock)."""
+    monkeypatch.setattr(fused, "_warm", set())
+    monkeypatch.setattr(fused, "_broken", {})
+    monkeypatch.setattr(fused, "_INTERPRET", False)
+
+
+def test_a_variant_is_compiled_once_under_the_lock_and_launched_without_it_when_warm(fresh_variants):
+    kernel = _Kernel()
+    counts = np.array([5000, 10])
+    threads = [threading.Thread(target=fused._launch, args=(kernel, counts, torch.zeros(4)), kwargs={"NDIM": n % 2})
+               for n in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert sorted(kernel.compiles) == [0, 1] and kernel.most == 1  # two variants, compiled one at a time
+    assert len(kernel.launches) == 6
+    fused._launch(kernel, counts, torch.zeros(4), NDIM=1)
+    assert kernel.launches[-1] == (1, False) and len(kernel.compiles) == 2
+    fused._launch(kernel, counts, torch.zeros(4, dtype=torch.int16), NDIM=1)  # another dtype: another variant
+    assert kernel.launches[-1] == (1, True) and len(kernel.compiles) == 3
+
+
+def test_a_variant_that_does_not_compile_is_not_launched_or_compiled_again(fresh_variants):
+    kernel = _Kernel(fails=RuntimeError("Failed to find C compiler. Please specify via CC environment variable"))
+    for first in (True, False):
+        with pytest.raises(fused._CompileFailed, match="Failed to find C compiler") as got:
+            fused._launch(kernel, np.array([100]), torch.zeros(4), NDIM=3)
+        assert got.value.first is first
+    assert kernel.compiles == [3] and not kernel.launches
+
+
+@interpreted
+def test_kernels_triton_cannot_compile_leave_the_placing_to_the_torch_ops(arrays, placements, fresh_variants,
+                                                                          monkeypatch):
+    """Placement and fill fall back to the torch ops, per variant, with one warning each: the same bits."""
+    uri, _ = arrays["zstd-u16"]
+    samples = _samples(uri)
+    reference = _run(placements, "torch", samples, "bf16")
+    monkeypatch.setattr(fused, "_INTERPRET", True)
+    error = RuntimeError("PTXAS error: Internal Triton PTX codegen error")
+    monkeypatch.setattr(fused, "_gather_cast_scatter", _Kernel(fails=error))
+    monkeypatch.setattr(fused, "_fill", _Kernel(fails=error))
+    placements.calls.clear()
+    with pytest.warns(RuntimeWarning, match="could not compile its (placement|fill) kernel") as warned:
+        batches = _run(placements, "fused", samples, "bf16")
+    said = [str(w.message) for w in warned if "could not compile" in str(w.message)]
+    assert sorted(m.split(" kernel")[0].split()[-1] for m in said) == ["fill", "placement"], said
+    assert placements.calls.get("place.place") and placements.calls.get("place.fill"), placements.calls
+    assert batches and all(_same_bits(r, g) for r, g in zip(reference, batches, strict=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # warned once per variant: not again
+        warnings.filterwarnings("ignore", "stoker's GPU decode: chunks", RuntimeWarning)
+        again = _run(placements, "fused", samples, "bf16")
+    assert all(_same_bits(r, g) for r, g in zip(reference, again, strict=True))
+    assert fused._gather_cast_scatter.compiles and not fused._gather_cast_scatter.launches
 
 
 @interpreted

@@ -256,6 +256,16 @@ def copy_cast(dst: torch.Tensor | np.ndarray, src: np.ndarray, half_next: bool =
         gil.released(np.copyto, dst.numpy(), src, casting="unsafe")
     else:
         gil.released(dst.copy_, torch.from_numpy(np.array(src) if src.ndim == 0 else src))  # a 0-d copy stays 0-d
+        if dst.dtype == torch.bfloat16 and src.dtype.kind == "f":
+            canonical_nans(dst)
+
+
+def canonical_nans(dst: torch.Tensor) -> None:
+    """Every NaN of bfloat16 ``dst`` made 0x7FC0, as the compiled engine writes it (csrc/place.c): torch's
+    vectorised float32 cast gives 0xFFFF, so the same data would differ in its bits by the path it took."""
+    nan = torch.isnan(dst)
+    if bool(nan.any()):
+        dst.view(torch.int16).masked_fill_(nan, 0x7FC0)
 
 
 def fill_value_as(fill: np.ndarray, dtype: torch.dtype, half_next: bool = False) -> torch.Tensor:

@@ -18,7 +18,9 @@ per element dtype. Padding (:func:`~stoker.engine.planning.padding.fill_padding`
 CF decoding (after placement) stay torch operations.
 
 ``TRITON_INTERPRET=1`` (read when this module is first imported) runs the kernels on CPU tensors, as the
-tests do; :func:`available` says whether a device can run them.
+tests do; :func:`available` says whether a device can run them. A kernel variant is compiled on its first
+launch, one compile at a time in the process; one Triton cannot compile is placed by :mod:`.place` instead
+(the same bits), with a RuntimeWarning.
 
 >>> if available(dest.device):
 ...     place(plan, sources, dest, scratch, cids, outs, elements_of)  # as stoker.engine.gpu.place.place
@@ -26,9 +28,9 @@ tests do; :func:`available` says whether a device can run them.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
+import warnings
 
 import numpy as np
 import torch
@@ -52,10 +54,24 @@ except ImportError:
     triton = None
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-# Triton's interpreter patches triton.language for the whole process while a kernel runs: launches from two
-# threads (two fields' executors) would undo each other's patches, so they take turns there. lock rank 4 (a
-# leaf: held around one launch, which calls no code of ours)
-_INTERPRETER_LOCK = threading.Lock() if _INTERPRET else contextlib.nullcontext()
+# Process-wide, held around a launch that may compile: the first of each kernel variant (Triton compiles it
+# there, and compiles from several threads at once, e.g. one executor per field, can fail:
+# triton-lang/triton#5933), and under Triton's interpreter every launch (it patches triton.language for the
+# whole process while a kernel runs: two threads' launches would undo each other's patches). Warm variants
+# on a device launch without it. lock rank 4 (a leaf: held around one compile and launch, which call no code
+# of ours)
+_LAUNCH_LOCK = threading.Lock()
+#: the variants (:func:`_variant`) launched once, and those whose compile failed (with its error)
+_warm: set[tuple] = set()
+_broken: dict[tuple, BaseException] = {}
+
+
+class _CompileFailed(Exception):
+    """Triton could not compile a variant of a kernel; ``first``: this call found it (and warns once)."""
+
+    def __init__(self, name: str, error: BaseException, first: bool):
+        super().__init__(f"{name}: {type(error).__name__}: {error}")
+        self.first = first
 
 
 def available(device: torch.device | None = None) -> bool:
@@ -125,14 +141,57 @@ if triton is not None:
         tl.store(batch + dst, (k * 0 + value).to(batch.dtype.element_ty), mask=inside)
 
 
+def _variant(kernel, args: tuple, constants: dict) -> tuple:
+    """What Triton specialises a compiled kernel on, for launching ``kernel`` with ``args``: each tensor's
+    dtype, device and 16-byte alignment, each integer's ``== 1``, divisibility by 16 and type (i32, u32 or
+    i64), and the constants. (Coarser than Triton's key would only let a compile run outside the lock.)"""
+    parts: list = [id(kernel)]
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            parts.append((a.dtype, a.device, a.data_ptr() % 16 == 0))
+        elif isinstance(a, int):
+            parts.append((a == 1, a % 16 == 0, -(1 << 31) <= a < 1 << 31, 0 <= a < 1 << 32))
+        else:
+            parts.append(type(a))
+    return (*parts, *sorted(constants.items()))
+
+
 def _launch(kernel, counts: np.ndarray, *args, **constants) -> None:
     """``kernel`` over one program row per copy and ``BLOCK`` elements per program, in launches of at most
-    :data:`MAX_BLOCKS` programs along the second axis (``base``: the first block of a launch)."""
+    :data:`MAX_BLOCKS` programs along the second axis (``base``: the first block of a launch). A variant's
+    first launch compiles it (``warmup``) under :data:`_LAUNCH_LOCK`; a compile that fails raises
+    :class:`_CompileFailed` (for this call and every later one of that variant, without compiling again)."""
     blocks = -(-int(counts.max()) // BLOCK)
     for base in range(0, blocks, MAX_BLOCKS):
         grid = (len(counts), min(MAX_BLOCKS, blocks - base))
-        with _INTERPRETER_LOCK:
-            kernel[grid](*args, base, BLOCK=BLOCK, **constants)
+        call = (*args, base)
+        key = _variant(kernel, call, constants)
+        if key in _warm and not _INTERPRET:
+            kernel[grid](*call, BLOCK=BLOCK, **constants)
+            continue
+        with _LAUNCH_LOCK:
+            if key in _broken:
+                raise _CompileFailed(_name(kernel), _broken[key], first=False)
+            if key not in _warm:
+                try:
+                    kernel.warmup(*call, grid=grid, BLOCK=BLOCK, **constants)
+                except Exception as exc:  # noqa: BLE001 - any failure to compile: Triton's, ptxas', the launcher's C compiler
+                    _broken[key] = exc
+                    raise _CompileFailed(_name(kernel), exc, first=True) from exc
+            kernel[grid](*call, BLOCK=BLOCK, **constants)
+            _warm.add(key)
+
+
+def _name(kernel) -> str:
+    return getattr(getattr(kernel, "fn", kernel), "__name__", repr(kernel))
+
+
+def _fell_back(exc: _CompileFailed, what: str) -> None:
+    """Say once per variant that Triton's compile failed and :mod:`.place`'s torch operations place instead
+    (the same bits, more passes over memory)."""
+    if exc.first:
+        warnings.warn(f"stoker's GPU decode: Triton could not compile its {what} kernel ({exc}); those copies are "
+                      "placed by torch operations instead (the same values, slower)", RuntimeWarning, stacklevel=3)
 
 
 def place(plan: TablePlan, sources: list[Source], dest: torch.Tensor, scratch: torch.Tensor, cids: np.ndarray,
@@ -164,8 +223,12 @@ def place(plan: TablePlan, sources: list[Source], dest: torch.Tensor, scratch: t
         else:  # bool read as bytes; bfloat16 written as its bits (see the kernel)
             values = scratch.view(torch.uint8 if element == torch.bool else element)
             into = flat.view(torch.uint16) if to_bf16 else flat
-        _launch(_gather_cast_scatter, counts, values, into, on_device, batch_strides, NDIM=extent.shape[1],
-                TO_BF16=to_bf16, FROM_BOOL=element == torch.bool)
+        try:
+            _launch(_gather_cast_scatter, counts, values, into, on_device, batch_strides, NDIM=extent.shape[1],
+                    TO_BF16=to_bf16, FROM_BOOL=element == torch.bool)
+        except _CompileFailed as exc:  # all of this dtype's copies again (a part launched before is rewritten)
+            _fell_back(exc, "placement")
+            torch_place.place(plan, sources, dest, scratch, cids[mine], outs[mine], [element] * int(mine.sum()))
 
 
 def fill(plan: TablePlan, sources: list[Source], dest: torch.Tensor, cids: np.ndarray) -> None:
@@ -190,4 +253,8 @@ def fill(plan: TablePlan, sources: list[Source], dest: torch.Tensor, cids: np.nd
         on_device = upload(table.astype(np.int64, copy=False), dest.device)
         if batch_strides is None:
             batch_strides = upload(np.array(dest.stride()[1:], np.int64), dest.device)
-        _launch(_fill, counts, into, on_device, batch_strides, int(sources[s].fill), NDIM=extent.shape[1])
+        try:
+            _launch(_fill, counts, into, on_device, batch_strides, int(sources[s].fill), NDIM=extent.shape[1])
+        except _CompileFailed as exc:
+            _fell_back(exc, "fill")
+            torch_place.fill(plan, sources, dest, mine)
