@@ -646,12 +646,14 @@ class ArrayReader:
         if not isinstance(exc, StorageError) or not self.raised_by_my_store(exc):
             return exc
         key, size = exc.context.get("key"), exc.context.get("value_size")
-        if self.metadata.sharding is None or size is None or not isinstance(key, str) or \
+        below = exc.context.get("value_below")  # a range past the value's end (416): its size is under this
+        if self.metadata.sharding is None or (size is None and below is None) or not isinstance(key, str) or \
                 not key.startswith(self._keys):
             return exc
         shard_key = key[len(self._keys):]
+        held = f"{size} bytes" if size is not None else f"fewer than {below} bytes"
         return DecodeError(f"{self.uri}: shard {shard_key!r} is shorter than its index claims: the store holds "
-                           f"{size} bytes of it ({exc})", uri=self.uri, key=shard_key)
+                           f"{held} of it ({exc})", uri=self.uri, key=shard_key)
 
     def raised_by_my_store(self, exc: BaseException) -> bool:
         """Whether ``exc`` is a StorageError of the store this array is read from (it names its URI)."""
