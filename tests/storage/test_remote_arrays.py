@@ -1650,3 +1650,17 @@ def test_a_shard_index_entry_starting_past_the_shard_s_end_is_the_array_s_decode
     finally:
         server.stop()
 
+
+@pytest.mark.timeout(120)
+def test_a_remote_shard_s_index_entry_past_any_size_names_no_made_up_file_size(tmp_path):
+    """An index entry of a length past 2**63 in a remote shard (its size not known from the index's suffix
+    read): the DecodeError names the entry and does not claim the shard holds 2**63 - 1 bytes."""
+    root = str(tmp_path / "src")
+    _shard_with_entry(root, entry=7, length=2 ** 63)
+    server = RangeServer(root)
+    try:
+        with pytest.raises(stoker.DecodeError, match="inner chunk 7") as info:
+            stoker.open_array(f"{server.url}/a.zarr", dict(FAST))[:]
+        assert str((1 << 63) - 1) not in str(info.value), info.value
+    finally:
+        server.stop()

@@ -684,7 +684,7 @@ class ArrayReader:
     def _stored_index(self, shard_key: str, raw, generation: Any = None) -> ShardIndex:
         """The index ``raw`` read at ``generation`` of the shard: an identity per reader and generation (see
         :class:`ShardIndex`), so neither readers' nor generations' shards ever mix."""
-        table = self.metadata.sharding.decode_index(raw, self.uri, shard_key, _UNKNOWN_SIZE)
+        table = self.metadata.sharding.decode_index(raw, self.uri, shard_key, None)
         return ShardIndex(table, (0, self._token, 0, stamp(generation), 0))
 
     def _cached_index(self, shard_key: str, entry: ShardIndex | None) -> ShardIndex | None:
@@ -769,7 +769,6 @@ NOT_CACHED = type("NotCached", (), {"__repr__": lambda self: "NOT_CACHED"})()
 #: whole process (about 200 bytes each), however many arrays are open.
 _SHARD_KEYS: dict[tuple[int, int], str] = {}
 _MAX_KEPT_KEYS = 1 << 14
-_UNKNOWN_SIZE = (1 << 63) - 1  # a shard's size, not known from a suffix read
 _UNREAD = object()
 #: Encoded bytes one store call of :meth:`ArrayReader.read` fetches at most (whole values counted at their
 #: codec's decoded size): a large box is read in several calls, each decoded before the next is fetched.
