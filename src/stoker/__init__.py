@@ -25,7 +25,7 @@ from .arraystats import compute_stats
 from .dist.telemetry import TelemetryWriter, memory_report
 from .device.prefetch import DevicePrefetcher
 from .device.pin import Pinnable, pin_object
-from .errors import (BudgetExceeded, CheckpointError, ClaimTimeout, DecodeError, DeviceError, DtypeMismatch,
+from .errors import (BatchReleased, BudgetExceeded, CheckpointError, ClaimTimeout, DecodeError, DeviceError, DtypeMismatch,
                      ForkedPipeline, IncompleteSource, InternalError, InvalidArgument,
                      MetadataError, MissingDependency, NonFiniteData, NonFiniteLoss, NotFound, NotYetSupported, OutOfBounds, OutOfMemory, PoolStarved,
                      RankFailed, RankMismatch, ShutdownError, StokerError, StorageError, ThreadStartError,
@@ -63,6 +63,7 @@ __all__ = [
     "Stats",
     "open_array",
     "transforms",
+    "BatchReleased",
     "BudgetExceeded",
     "CheckpointError",
     "ClaimTimeout",

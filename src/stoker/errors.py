@@ -165,6 +165,12 @@ class ForkedPipeline(StokerError, RuntimeError):
     frees nothing of the parent's."""
 
 
+class BatchReleased(StokerError, RuntimeError):
+    """A batch was exported after it was released (by ``release()``, the end of its ``with`` block, or a
+    pipeline's iteration, which releases each batch when the next is asked for): its slot may hold another
+    batch by now. Export it before, and ``.clone()`` what you keep."""
+
+
 def pipeline_closed() -> ShutdownError:
     """The error of a batch whose work stopped because its pipeline was closed (one wording for every path).
 
@@ -224,6 +230,7 @@ __all__ = [
     "ForkedPipeline",
     "InternalError",
     "DeviceError",
+    "BatchReleased",
     "RankFailed",
     "UnusedParameters",
     "NonFiniteLoss",

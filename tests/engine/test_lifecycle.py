@@ -533,3 +533,19 @@ def test_an_idle_pipeline_s_coordinator_sleeps_until_the_consumer_or_the_close(v
         assert time.monotonic() - t0 < 0.5 and not coordinator.is_alive()
     finally:
         p.close()
+
+
+@pytest.mark.timeout(60)
+def test_exporting_a_batch_kept_from_iteration_is_a_typed_error_that_says_iteration_released_it(volume):
+    """``kept = list(pipeline)`` (or appending each Batch in a for loop) keeps batches that iteration released
+    when the next was asked for; exporting one later must be a stoker error (typed, a RuntimeError as before)
+    that says so and what to do, never data of a slot reused since."""
+    cfg = stoker.Config(batch_size=2, dtype="f32", host_buffer_bytes=16 << 20, pop_timeout_s=30)
+    with stoker.Pipeline(cfg) as p:
+        p.push(stoker.RandomCrops([volume[0]], CROP, seed=0, samples_per_epoch=8))
+        kept = list(p)
+    assert len(kept) == 4
+    for export in (torch.from_dlpack, np.from_dlpack):
+        with pytest.raises(stoker.BatchReleased, match=r"released.*iterat.*\.clone\(\)") as info:
+            export(kept[0])
+        assert isinstance(info.value, stoker.StokerError) and isinstance(info.value, RuntimeError)

@@ -1596,3 +1596,71 @@ def test_a_v2_array_without_zattrs_behind_403s_reads_in_a_pipeline(tmp_path, cf)
     finally:
         server.stop()
     np.testing.assert_array_equal(got[0].numpy(), np.stack([a, a + 1]))
+
+
+def _shard_with_entry(root: str, entry: int, offset: int | None = None, length: int | None = None):
+    """``root/a.zarr``: 32 x 32 uint16 in one shard of 8 x 8 zstd inner chunks, its index (at the end, with its
+    crc32c, as zarr-python writes it) rewritten so that inner chunk ``entry`` has ``offset`` / ``length``:
+    a shard corrupt in a way its checksum cannot see."""
+    import struct
+
+    import google_crc32c
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        z = zarr.create_array(os.path.join(root, "a.zarr"), shape=(32, 32), chunks=(8, 8), shards=(32, 32),
+                              dtype="uint16", compressors=ZstdCodec(level=1))
+        z[:] = np.arange(32 * 32, dtype="uint16").reshape(32, 32)
+    path = os.path.join(root, "a.zarr", "c", "0", "0")
+    raw = bytearray(open(path, "rb").read())
+    n = 16 * 16 + 4  # 16 inner chunks of (offset, length), then the crc32c
+    index = np.frombuffer(bytes(raw[-n:-4]), "<u8").copy().reshape(16, 2)
+    if offset is not None:
+        index[entry, 0] = offset
+    if length is not None:
+        index[entry, 1] = length
+    body = index.tobytes()
+    with open(path, "wb") as f:
+        f.write(bytes(raw[:-n]) + body + struct.pack("<I", google_crc32c.value(body)))
+    return path
+
+
+@pytest.mark.timeout(120)
+def test_a_shard_index_entry_starting_past_the_shard_s_end_is_the_array_s_decode_error(tmp_path, decode_path):
+    """An inner chunk whose index entry (checksum intact) starts past its shard's end: the server answers its
+    range 416, which says the value is shorter than the range's start. That is the array's DecodeError naming
+    the shard, as the local read of the same shard says, in open_array and in a pipeline; not a StorageError
+    of a short read (which sends one checking the server)."""
+    root = str(tmp_path / "src")
+    _shard_with_entry(root, entry=5, offset=10 ** 12)
+    with pytest.raises(stoker.DecodeError, match="shard 'c/0/0' is shorter than its index claims"):
+        stoker.open_array(os.path.join(root, "a.zarr"))[:]  # the local read, for comparison
+    server = RangeServer(root)
+    try:
+        uri = f"{server.url}/a.zarr"
+        with pytest.raises(stoker.DecodeError, match="shard 'c/0/0' is shorter than its index claims") as info:
+            stoker.open_array(uri, dict(FAST))[:]
+        assert info.value.key == "c/0/0" and info.value.uri == uri
+        cfg = stoker.Config(batch_size=1, dtype="f32", lossy_casts=True, n_compute_threads=1, pop_timeout_s=30,
+                            storage_options={uri: dict(FAST)})
+        with stoker.Pipeline(cfg) as p:
+            p.push([stoker.Sample(uri, [(0, 32), (0, 32)])])
+            with pytest.raises(stoker.DecodeError, match="shard 'c/0/0' is shorter than its index claims"):
+                p.pop()
+    finally:
+        server.stop()
+
+
+@pytest.mark.timeout(120)
+def test_a_remote_shard_s_index_entry_past_any_size_names_no_made_up_file_size(tmp_path):
+    """An index entry of a length past 2**63 in a remote shard (its size not known from the index's suffix
+    read): the DecodeError names the entry and does not claim the shard holds 2**63 - 1 bytes."""
+    root = str(tmp_path / "src")
+    _shard_with_entry(root, entry=7, length=2 ** 63)
+    server = RangeServer(root)
+    try:
+        with pytest.raises(stoker.DecodeError, match="inner chunk 7") as info:
+            stoker.open_array(f"{server.url}/a.zarr", dict(FAST))[:]
+        assert str((1 << 63) - 1) not in str(info.value), info.value
+    finally:
+        server.stop()

@@ -34,6 +34,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from ..errors import BatchReleased
 from ..sampling.sample import Sample
 
 
@@ -95,7 +96,10 @@ class Batch:
 
     def _tensor(self) -> torch.Tensor:
         if self._view is None:
-            raise RuntimeError(f"batch {self.info.batch_id} was released; export it before release()")
+            raise BatchReleased(
+                f"batch {self.info.batch_id} was released (by release(), the end of its `with` block, or the "
+                "pipeline's iteration, which releases each batch when the next is asked for), so its slot may hold "
+                "another batch now; export it (torch.from_dlpack) before then, and .clone() what you keep")
         return self._view
 
     def __dlpack__(self, *args: Any, stream: Any = None, **kwargs: Any):

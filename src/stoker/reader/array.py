@@ -646,12 +646,14 @@ class ArrayReader:
         if not isinstance(exc, StorageError) or not self.raised_by_my_store(exc):
             return exc
         key, size = exc.context.get("key"), exc.context.get("value_size")
-        if self.metadata.sharding is None or size is None or not isinstance(key, str) or \
+        below = exc.context.get("value_below")  # a range past the value's end (416): its size is under this
+        if self.metadata.sharding is None or (size is None and below is None) or not isinstance(key, str) or \
                 not key.startswith(self._keys):
             return exc
         shard_key = key[len(self._keys):]
+        held = f"{size} bytes" if size is not None else f"fewer than {below} bytes"
         return DecodeError(f"{self.uri}: shard {shard_key!r} is shorter than its index claims: the store holds "
-                           f"{size} bytes of it ({exc})", uri=self.uri, key=shard_key)
+                           f"{held} of it ({exc})", uri=self.uri, key=shard_key)
 
     def raised_by_my_store(self, exc: BaseException) -> bool:
         """Whether ``exc`` is a StorageError of the store this array is read from (it names its URI)."""
@@ -682,7 +684,7 @@ class ArrayReader:
     def _stored_index(self, shard_key: str, raw, generation: Any = None) -> ShardIndex:
         """The index ``raw`` read at ``generation`` of the shard: an identity per reader and generation (see
         :class:`ShardIndex`), so neither readers' nor generations' shards ever mix."""
-        table = self.metadata.sharding.decode_index(raw, self.uri, shard_key, _UNKNOWN_SIZE)
+        table = self.metadata.sharding.decode_index(raw, self.uri, shard_key, None)
         return ShardIndex(table, (0, self._token, 0, stamp(generation), 0))
 
     def _cached_index(self, shard_key: str, entry: ShardIndex | None) -> ShardIndex | None:
@@ -767,7 +769,6 @@ NOT_CACHED = type("NotCached", (), {"__repr__": lambda self: "NOT_CACHED"})()
 #: whole process (about 200 bytes each), however many arrays are open.
 _SHARD_KEYS: dict[tuple[int, int], str] = {}
 _MAX_KEPT_KEYS = 1 << 14
-_UNKNOWN_SIZE = (1 << 63) - 1  # a shard's size, not known from a suffix read
 _UNREAD = object()
 #: Encoded bytes one store call of :meth:`ArrayReader.read` fetches at most (whole values counted at their
 #: codec's decoded size): a large box is read in several calls, each decoded before the next is fetched.

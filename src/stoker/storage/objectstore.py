@@ -92,8 +92,10 @@ _SLACK_S = 5.0
 
 def _unsatisfiable(uri: str, r: ByteRange, attempts: int) -> StorageError:
     """The error for a range the server answered 416 (not satisfiable): a suffix, or a range from byte 0, is
-    unsatisfiable only for an empty value (RFC 9110, 14.1.1), so its size is known then."""
-    return short_read(uri, r, 0, attempts=attempts, size=0 if r.is_suffix or r.start == 0 else None)
+    unsatisfiable only for an empty value (RFC 9110, 14.1.1), so its size is known then; any other range only
+    when the value ends at or before its first byte, so its size is under ``start + 1``."""
+    empty = r.is_suffix or r.start == 0
+    return short_read(uri, r, 0, attempts=attempts, size=0 if empty else None, below=None if empty else r.start + 1)
 
 
 class _ShortBody(Exception):

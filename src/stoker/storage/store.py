@@ -216,15 +216,17 @@ def slice_value(value, r: ByteRange, uri: str) -> memoryview:
     return view[start:start + r.length]
 
 
-def short_read(uri: str, r: ByteRange, got: int, size: int | None = None, attempts: int = 1) -> StorageError:
+def short_read(uri: str, r: ByteRange, got: int, size: int | None = None, attempts: int = 1,
+               below: int | None = None) -> StorageError:
     """The error for fewer bytes than a range asked (past the end of the value, or a short body); its
-    ``value_size`` is the value's size where the store knows it (None for a short body)."""
+    ``value_size`` is the value's size where the store knows it (None for a short body), ``value_below`` a
+    bound the size is known to be under where only that is known (a range past the end: HTTP 416)."""
     where = f"last {r.length} bytes" if r.is_suffix else f"bytes {r.start}..{r.start + r.length}"
     of = f" of a {size}-byte value" if size is not None else ""
     return StorageError(
         f"{uri}: read of {where}{of} at key {r.key!r} got {got} bytes, not {r.length}; the value is shorter "
         "than the read expects (truncated or rewritten) or the server sent a short body",
-        uri=uri, key=r.key, status=None, attempts=attempts, value_size=size)
+        uri=uri, key=r.key, status=None, attempts=attempts, value_size=size, value_below=below)
 
 
 def denied(exc: BaseException) -> bool:

@@ -55,16 +55,20 @@ class ShardingSpec:
             return 0, self.index_nbytes
         return shard_size - self.index_nbytes, self.index_nbytes
 
-    def decode_index(self, raw: bytes | memoryview, uri: str, key: str, shard_size: int) -> np.ndarray:
+    def decode_index(self, raw: bytes | memoryview, uri: str, key: str, shard_size: int | None) -> np.ndarray:
         """Decode and validate a shard index into a ``(n_inner, 2)`` native uint64 array.
 
         Raises :class:`DecodeError` on a checksum mismatch or when an entry points
-        outside the shard file (a shard shorter than its index claims).
+        outside the shard file (a shard shorter than its index claims). ``shard_size`` None: not known
+        (a remote shard's index read as a suffix); only entries past any value's size are refused then.
         """
+        known = shard_size is not None
+        if shard_size is None:
+            shard_size = (1 << 63) - 1  # no stored value is larger
         if len(raw) != self.index_nbytes:
             raise DecodeError(
                 f"{uri}: shard {key!r} is truncated: its index needs {self.index_nbytes} bytes, "
-                f"the file has {shard_size}",
+                + (f"the file has {shard_size}" if known else f"{len(raw)} were read"),
                 uri=uri, key=key,
             )
         payload = raw
@@ -86,7 +90,8 @@ class ShardingSpec:
                 off, n = (int(v) for v in index[bad])
                 raise DecodeError(
                     f"{uri}: shard {key!r} is shorter than its index claims: inner chunk {bad} at "
-                    f"[{off}, {off + n}) but the file has {shard_size} bytes",
+                    f"[{off}, {off + n}) " + (f"but the file has {shard_size} bytes" if known else
+                                              "past the end of any value a store can hold"),
                     uri=uri, key=key,
                 )
         return index
