@@ -182,3 +182,19 @@ def test_no_anchor_in_one_of_several_volumes_names_its_arrays(wx, tmp_path):
         with pytest.raises(InvalidArgument, match=rf"field 'y' \(arrays {short} of shape \(7, 9, 11\)") as info:
             stoker.RandomCrops(vols, seed=0, pad=pad)
         assert info.value.context["uri"] == short
+
+
+def test_tile_grid_over_arrays_marks_pad_axes_in_its_identity(wx):
+    """A padded TileGrid over arrays with pad_axes lays out other tiles than one padded on every axis (time
+    tiled inside, the last tile shifted back): its identity says so, and a state saved with one is refused by
+    the other instead of resuming into tiles that all differ."""
+    uri, _ = wx
+    every = stoker.TileGrid([uri], (6, 6, 6), stride=(4, 4, 4), pad="reflect")
+    some = stoker.TileGrid([uri], (6, 6, 6), stride=(4, 4, 4), pad="reflect", pad_axes=(1, 2))
+    assert [every.sample(0, i).aabb for i in range(3)] != [some.sample(0, i).aabb for i in range(3)]
+    assert every.identity() != some.identity() and some.identity()[-2:] == ["pad_axes", [1, 2]]
+    assert every.fingerprint != some.fingerprint
+    state = every.for_rank(0, 1).state_dict()
+    with pytest.raises(InvalidArgument, match="saved for another sample list"):
+        some.for_rank(0, 1).load_state_dict(state)
+    every.for_rank(0, 1).load_state_dict(state)  # its own state resumes

@@ -778,7 +778,7 @@ class TileGrid(SampleSource):
         cover = ["cover-border"] if self._shifted else []
         pad = [] if self.pad is None else ["pad", self.pad]
         return [self.arrays, self.shapes, self.sample_shape, self.stride, self.shuffle, self.seed] + \
-            _order_id(self) + cover + pad
+            _order_id(self) + cover + pad + self._pad_axes_id()
 
 
 def _padded_layout(volume: Any, stride: tuple[int, ...], pad: str, i: int,
