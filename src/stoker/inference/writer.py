@@ -509,8 +509,8 @@ class TileWriter:
     int, or one per spatial axis); from every side of a padded tile (``TileGrid(pad=...)``), what is left
     clipped to the array. ``grid``: the TileGrid the samples come from, to write regions as soon
     as they are complete (a ``crop`` that would leave voxels its tiles cover unwritten is refused); a grid's
-    ``pad_axes`` are cropped as padded, its other axes as without pad (without ``grid=`` a padded tile is
-    cropped as padded on every axis: pass the grid of a ``pad_axes`` grid).
+    ``pad_axes`` are cropped as padded, its other axes as without pad (without ``grid=`` too: its samples
+    carry their ``pad_axes``; a padded sample without them is cropped as padded on every axis).
     ``rank``/``world_size``: from ``torch.distributed`` (``group``'s) when not given, and refused when they
     are not this process's place in it; ``group``: the process group of the collectives. ``write_threads``,
     ``write_bytes``, ``write_timeout_s``: the background writes (the module docstring). An integer ``dtype``
@@ -639,7 +639,7 @@ class TileWriter:
         self._boxes: dict[tuple[int, ...], list[Box]] = {}  # with grid=: each owned region's parts' boxes
         # with grid=: each tile's cut (see _setup, which needs the same boxes), so write() looks a grid tile's parts
         # up instead of redoing the box arithmetic per tile and region on the caller's thread
-        self._cuts: dict[tuple[Box, bool], tuple[int, list[tuple[tuple[int, ...], Box, tuple[Any, ...]]]]] = {}
+        self._cuts: dict[tuple[Box, bool | tuple[bool, ...]], tuple[int, list[tuple[tuple[int, ...], Box, tuple[Any, ...]]]]] = {}
         self._windows: dict[int, np.ndarray] = {}  # a tile axis's length -> its window (blend.window)
         self._scratch = np.empty(0, dtype=np.float64)  # the blend's products, reused (the caller's thread only)
         self.written = 0  # regions this rank wrote
@@ -673,7 +673,7 @@ class TileWriter:
             self._expected = {}
             # the grid's tiles (a prediction for another box is refused before it changes anything: write())
             assert self._tiles is not None
-            padded = self.grid.pad is not None
+            padded = self._padded_on if self.grid.pad is not None else False
             for tile in self._tiles:
                 cut = self._cuts[(tile, padded)] = self._cut_of(tile, padded)
                 for r, box, _ in cut[1]:
@@ -681,8 +681,9 @@ class TileWriter:
                         self._expected[r] = self._expected.get(r, 0) + 1
                         self._boxes.setdefault(r, []).append(box)
 
-    def _cut_of(self, aabb: Box, padded: bool) -> tuple[int, list[tuple[tuple[int, ...], Box, tuple[Any, ...]]]]:
-        """Where a tile at ``aabb`` (``padded``: a sample with ``pad``) goes: the flat index of its output box's
+    def _cut_of(self, aabb: Box, padded: bool | tuple[bool, ...]) -> tuple[int, list[tuple[tuple[int, ...], Box,
+                                                                                          tuple[Any, ...]]]]:
+        """Where a tile at ``aabb`` (``padded``: the axes it is padded on, :meth:`_pad_of`) goes: the flat index of its output box's
         first voxel (which tile wins a voxel of ``blend="none"``), and for each region its output box touches, in
         C order: the region, the part's box in the array, and the part as slices of the prediction (Ellipsis
         first). Pure: a grid's tiles are cut once (:meth:`_cut` skips a box cropped away whole, and refuses one
@@ -718,8 +719,18 @@ class TileWriter:
         held = lanes * (int(np.prod(shape)) * self.dtype.itemsize + plan.kept_voxels * np.dtype(parts).itemsize)
         return plan if held <= sums else None
 
-    def _out(self, aabb: Sequence[Sequence[int]], padded: bool) -> Box:
-        return output_box(aabb, self.crop, self.spatial, self._padded_on if padded else False)
+    def _out(self, aabb: Sequence[Sequence[int]], padded: bool | tuple[bool, ...]) -> Box:
+        return output_box(aabb, self.crop, self.spatial, padded)
+
+    def _pad_of(self, s: Sample) -> bool | tuple[bool, ...]:
+        """The axes ``s`` is cropped as padded on: none without ``pad``; its ``pad_axes`` when its sampler set
+        them (a ``TileGrid(pad_axes=...)`` tile, also without ``grid=``); else the grid's, or every axis."""
+        if s.pad is None:
+            return False
+        if s.pad_axes is None:
+            return self._padded_on
+        n = len(self.spatial)
+        return tuple(d in s.pad_axes or d - n in s.pad_axes for d in range(n))
 
     def _owner(self, region: tuple[int, ...]) -> int:
         if self.world_size == 1:
@@ -747,7 +758,7 @@ class TileWriter:
         first: dict[tuple[int, ...], list[Sample]] = {}  # a region -> the tiles that touch it first
         for i in range(len(grid)):
             s = grid.sample(0, i)
-            todo = [r for r in regions_of(self._out(box_of(s), s.pad is not None), self.unit) if r not in self.done]
+            todo = [r for r in regions_of(self._out(box_of(s), self._pad_of(s)), self.unit) if r not in self.done]
             if todo:
                 first.setdefault(min(todo), []).append(s)
         keep = [s for r in sorted(first) for s in first[r]]
@@ -798,7 +809,8 @@ class TileWriter:
                 raise InvalidArgument(f"TileWriter(grid=...): a prediction for the tile {key}, which is no tile of "
                                       "the grid: write its tiles (writer.pending(grid)), or leave grid= out",
                                       uri=self.uri)
-            out = self._out(aabb, s.pad is not None)
+            padded = self._pad_of(s)
+            out = self._out(aabb, padded)
             if any(a < 0 or b > n for (a, b), n in zip(out, self.spatial)):
                 # only a padded sample's box is clipped to the array: past it, there is no region to write
                 raise InvalidArgument(f"TileWriter.write: the sample {s!r} reaches past the array {self.uri} "
@@ -806,10 +818,10 @@ class TileWriter:
                                       "(as TileGrid(pad=...) does), or keep its box inside the array", uri=self.uri)
             if any(b <= a for a, b in out):
                 # nothing of it would be written, and the voxels only it covers would keep the fill value
-                raise InvalidArgument(_cropped_away(self.uri, self._crop_arg, s, aabb, self.crop, self.spatial),
+                raise InvalidArgument(_cropped_away(self.uri, self._crop_arg, s, aabb, self.crop, self.spatial, padded),
                                       uri=self.uri, knob="crop")
-            cut = self._cuts.get((key, s.pad is not None))
-            start, pieces = cut if cut is not None else self._cut_of(key, s.pad is not None)
+            cut = self._cuts.get((key, padded))
+            start, pieces = cut if cut is not None else self._cut_of(key, padded)
             for r, box, at in pieces:
                 if r in self._handed:
                     continue
@@ -1201,12 +1213,12 @@ def _check_finite_fits(p: np.ndarray, dtype: np.dtype, uri: str) -> None:
 
 
 def _cropped_away(uri: str, crop_arg: Any, s: Sample, aabb: Box, crop: Sequence[int],
-                  spatial: Sequence[int]) -> str:
+                  spatial: Sequence[int], padded_on: bool | tuple[bool, ...]) -> str:
     """Why ``write`` refuses the sample ``s`` whose kept box is empty: on which axis, with the numbers, and
     the largest crop that keeps something of it there (a padded tile's kept box is also clipped to the array,
     so half the tile is not the bound for it)."""
-    padded = s.pad is not None
-    k = next(k for k, (a, b) in enumerate(output_box(aabb, crop, spatial, padded)) if b <= a)
+    k = next(k for k, (a, b) in enumerate(output_box(aabb, crop, spatial, padded_on)) if b <= a)
+    padded = padded_on if isinstance(padded_on, bool) else padded_on[k]
     (a, b), c, n = aabb[k], crop[k], spatial[k]
     kept = (a + c, b - c) if padded else output_box(((a, b),), (c,), (n,))[0]
     fits = [c2 for c2 in range(c) if (o := output_box(((a, b),), (c2,), (n,), padded)[0])[0] < o[1]]

@@ -408,7 +408,7 @@ class RandomCrops(SampleSource):
             volume = self.volumes[int(which[k])].volume
             return volume.sample(volume.anchor(corner))
         return Sample(self.arrays[int(which[k])], [(int(c), int(c) + s) for c, s in zip(corner, self.sample_shape)],
-                      pad=self.pad)
+                      pad=self.pad, pad_axes=self.pad_axes)
 
     def identity(self) -> Any:
         """The arrays, their shapes, the crop shape, weights, epoch length and seed; over fields, the fields,
@@ -766,7 +766,8 @@ class TileGrid(SampleSource):
         else:  # the last tile of an axis ends at the border (shifted back when the strides do not land there)
             corner = [min(t * st, s - c) for t, st, s, c in
                       zip(reversed(tile), self.stride, self.shapes[a], self.sample_shape)]
-        return Sample(self.arrays[a], [(c, c + s) for c, s in zip(corner, self.sample_shape)], pad=self.pad)
+        return Sample(self.arrays[a], [(c, c + s) for c, s in zip(corner, self.sample_shape)], pad=self.pad,
+                      pad_axes=self.pad_axes)
 
     def identity(self) -> Any:
         """The arrays, their shapes, the tile shape and stride, and the order's settings."""
