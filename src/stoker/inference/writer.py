@@ -596,40 +596,47 @@ class TileWriter:
             except Exception as e:
                 failed = e
         self._in_step(failed)  # the array exists before the other ranks open it
-        if self.rank != 0:
-            arr = _open_output(store, self.uri)
-        _check_existing(self.uri, arr, self.shape, np.dtype(dtype), tuple(int(c) for c in chunks),
-                        None if shards is None else tuple(int(s) for s in shards))
-        self.array = arr
-        self.dtype = arr.dtype
-        # voxels no tile reached keep the fill value (zero without one)
-        self._fill = np.asarray(arr.fill_value if arr.fill_value is not None else 0, dtype=self.dtype)
-        self.unit_full = tuple(arr.shards or arr.chunks)  # the write unit: one shard, or one chunk
-        # the buffers of written regions, for the next ones: those of one region per write thread, and one
-        # more (its float64 sums, a float64 scratch, its output and its encoded chunks; see .buffers), and
-        # from a closed writer's (buffers.SPARE)
-        unit_voxels = int(np.prod(self.unit_full))
-        self._pool = BufferPool((int(write_threads) + 1) * unit_voxels * (3 * 8 + 2 * self.dtype.itemsize),
-                                spare=SPARE)
-        # whole chunks encoded on the write threads where the layout allows, into recycled buffers
-        # a local record's marks wait for fsynced chunk files: a store whose files cannot be fsynced is refused
-        self._chunks = ChunkWriter(arr, self._pool, durable=not is_remote(self.uri), uri=self.uri)
-        self.record = CompletionRecord(self.uri, storage_options)
-        if self.rank == 0:
-            settings = {"shape": list(self.shape), "unit": list(self.unit_full), "dtype": str(self.dtype),
-                        "blend": blend, "crop": _plain(crop)}
-            if grid is not None:  # another grid puts other tiles, so other values, in the regions it marked
-                settings["grid"] = {"sample_shape": list(grid.sample_shape), "stride": list(grid.stride),
-                                    "pad": grid.pad}
-                axes = getattr(grid, "pad_axes", None)
-                if axes is not None:  # only when set: the records of grids without it still match
-                    settings["grid"]["pad_axes"] = list(axes)
-            # a restart without grid= is not refused: its marks, like the grid's, are of whole regions
-            # not fsynced here: with the array's metadata before the first mark (below), not before the first tile
-            try:
+        # every rank's opening and checks fail in step: a rank that cannot open the array (an output on a
+        # disk only rank 0 sees) sends its failure to the others' next step rather than leave them waiting in it
+        try:
+            if self.rank != 0:
+                try:
+                    arr = _open_output(store, self.uri)
+                except (FileNotFoundError, KeyError, zarr.errors.NodeNotFoundError) as e:  # type: ignore[attr-defined]
+                    raise StorageError(f"TileWriter({self.uri}): rank {self.rank} cannot open the array rank 0 made "
+                                       f"({type(e).__name__}: {e}): put the output where every rank sees it (a shared "
+                                       "file system, or an object store)", uri=self.uri, key=None) from e
+            _check_existing(self.uri, arr, self.shape, np.dtype(dtype), tuple(int(c) for c in chunks),
+                            None if shards is None else tuple(int(s) for s in shards))
+            self.array = arr
+            self.dtype = arr.dtype
+            # voxels no tile reached keep the fill value (zero without one)
+            self._fill = np.asarray(arr.fill_value if arr.fill_value is not None else 0, dtype=self.dtype)
+            self.unit_full = tuple(arr.shards or arr.chunks)  # the write unit: one shard, or one chunk
+            # the buffers of written regions, for the next ones: those of one region per write thread, and one
+            # more (its float64 sums, a float64 scratch, its output and its encoded chunks; see .buffers), and
+            # from a closed writer's (buffers.SPARE)
+            unit_voxels = int(np.prod(self.unit_full))
+            self._pool = BufferPool((int(write_threads) + 1) * unit_voxels * (3 * 8 + 2 * self.dtype.itemsize),
+                                    spare=SPARE)
+            # whole chunks encoded on the write threads where the layout allows, into recycled buffers
+            # a local record's marks wait for fsynced chunk files: a store whose files cannot be fsynced is refused
+            self._chunks = ChunkWriter(arr, self._pool, durable=not is_remote(self.uri), uri=self.uri)
+            self.record = CompletionRecord(self.uri, storage_options)
+            if self.rank == 0:
+                settings = {"shape": list(self.shape), "unit": list(self.unit_full), "dtype": str(self.dtype),
+                            "blend": blend, "crop": _plain(crop)}
+                if grid is not None:  # another grid puts other tiles, so other values, in the regions it marked
+                    settings["grid"] = {"sample_shape": list(grid.sample_shape), "stride": list(grid.stride),
+                                        "pad": grid.pad}
+                    axes = getattr(grid, "pad_axes", None)
+                    if axes is not None:  # only when set: the records of grids without it still match
+                        settings["grid"]["pad_axes"] = list(axes)
+                # a restart without grid= is not refused: its marks, like the grid's, are of whole regions
+                # not fsynced here: with the array's metadata before the first mark (below), not before the first tile
                 self.record.check_settings(settings, optional=("grid",), durable=False)
-            except Exception as e:
-                failed = e
+        except Exception as e:
+            failed = e
         self._in_step(failed)
         # the regions written and marked (the record's, then each after its mark): what pending() skips
         self.done = self.record.done()
@@ -828,9 +835,10 @@ class TileWriter:
                 parts[self._owner(r)].append((r, key, box, pred[at], start))
 
     def _in_step(self, failed: BaseException | None) -> None:
-        """A barrier of the ranks that also hands them rank 0's failure (``failed``, raised there): each raises
-        it at once rather than wait in the barrier rank 0 never reaches (the group's timeout, or for ever while
-        rank 0 lives on)."""
+        """A barrier of the ranks that also hands each rank's failure (``failed``: this rank's, or None) to the
+        others: a rank that failed raises its own, every other rank an error naming the first rank that failed
+        (:func:`_raise_for_others`), at once, rather than wait in a later collective the failed rank never
+        reaches (the group's timeout, or for ever while it lives on)."""
         if active_group(self.group) is not None and self.world_size > 1:
             everyone = all_gather_object(_reason(failed) if failed is not None else None, self.group)
             if failed is None:
