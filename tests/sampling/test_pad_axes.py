@@ -198,3 +198,25 @@ def test_tile_grid_over_arrays_marks_pad_axes_in_its_identity(wx):
     with pytest.raises(InvalidArgument, match="saved for another sample list"):
         some.for_rank(0, 1).load_state_dict(state)
     every.for_rank(0, 1).load_state_dict(state)  # its own state resumes
+
+
+def test_a_tile_grid_short_on_an_axis_left_out_of_pad_axes_says_to_add_it(wx, tmp_path):
+    """With pad= given, an array too short for the tile on an axis not in pad_axes was refused (or, beside one
+    that holds a tile, left out with a warning) saying "use pad=", which was given: the way out is adding the
+    axis to pad_axes (or leaving pad_axes out)."""
+    import warnings
+
+    uri, _ = wx
+    short = str(tmp_path / "short.zarr")
+    zarr.create_array(short, shape=(5, Y, X), chunks=(5, 4, 5), dtype="f4")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(InvalidArgument, match=r"no array can hold .*add axis 0 to pad_axes \(1, 2\) \(or leave "
+                                                  r"pad_axes out\)") as err:
+            stoker.TileGrid([short], (6, 4, 4), stride=(4, 2, 2), pad="edge", pad_axes=(1, 2))
+    assert "pass pad=" not in str(err.value)
+    with pytest.warns(UserWarning, match=r"short\.zarr \(5, 9, 11\)\): add axis 0 to pad_axes \(1, 2\) \(or leave "
+                                         r"pad_axes out\)") as caught:
+        grid = stoker.TileGrid([uri, short], (6, 4, 4), stride=(4, 2, 2), pad="edge", pad_axes=(1, 2))
+    assert "pass pad=" not in str(caught[0].message) and {s.uri for s in grid} == {uri}
+    assert {s.uri for s in stoker.TileGrid([uri, short], (6, 4, 4), stride=(4, 2, 2), pad="edge")} == {uri, short}
