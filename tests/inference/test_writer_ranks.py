@@ -207,3 +207,39 @@ def test_a_writer_rank_0_cannot_open_fails_on_every_rank_at_once(uri, tmp_path, 
         took, name, why = open(f"{result}-{r}").read().split("|", 2)
         assert name == kind.__name__ and float(took) < PROMPT_S, (r, took, name, why)
         assert (own if r == 0 else f"rank 0 {'failed' if kind is StorageError else 'refused'}") in why, (r, why)
+
+
+def _rank_not_opening(rank, world, init, out, result, case):
+    import stoker.inference.writer as writer_module
+
+    dist = _group(rank, world, init)
+    try:
+        dtype = "f4"
+        if rank == 1 and case == "missing":  # rank 1's node does not see the output (no shared file system)
+            def missing(store, uri):
+                raise FileNotFoundError(f"{uri}: not on this node")
+            writer_module._open_output = missing
+        elif rank == 1:  # rank 1 asks for another dtype than the array rank 0 made: refused there
+            dtype = "f8"
+        log = _timed(lambda: stoker.TileWriter(out, SHAPE, CHUNKS, dtype, blend="none", write_threads=0))
+        with open(f"{result}-{rank}", "w") as f:
+            f.write(log)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("case", ["missing", "dtype"])
+def test_a_writer_rank_1_cannot_open_fails_on_every_rank_at_once(tmp_path, case):
+    """Rank 1 opens and checks the array rank 0 made outside any collective: failing there, it raised while
+    rank 0 waited in the next collective for the group's timeout, then got an untyped gloo error. Now every
+    rank's opening is gathered in the step after it: rank 1 raises its own typed error, rank 0 one naming
+    rank 1, both at once."""
+    out, result = str(tmp_path / "two.zarr"), str(tmp_path / "r")
+    kind, own = (StorageError, "cannot open the array rank 0 made") if case == "missing" else \
+        (InvalidArgument, "dtype")
+    torch.multiprocessing.spawn(_rank_not_opening, args=(2, str(tmp_path / "init"), out, result, case), nprocs=2,
+                                join=True)
+    for r in range(2):
+        took, name, why = open(f"{result}-{r}").read().split("|", 2)
+        assert name == kind.__name__ and float(took) < PROMPT_S, (r, took, name, why)
+        assert (own if r == 1 else f"rank 1 {'failed' if kind is StorageError else 'refused'}") in why, (r, why)

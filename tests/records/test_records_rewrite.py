@@ -355,3 +355,29 @@ def test_a_rewrite_reaches_the_end_of_a_chain_of_precomputes(tmp_path):
     assert run() == (0, 0, 0)
     r = ZarrRecords(root, fields=["b"])[1]
     np.testing.assert_array_equal(r["b"].numpy(), np.full((5, 3), 2010.0, "f4"))
+
+
+def test_new_params_mid_chain_reach_its_end_when_the_first_sees_every_array(tmp_path):
+    # c over every field but c (pos, and a and b once they exist), a = g(c), b = h(a): new params of c
+    # recompute a and then b. b's input a was digested without c, because c's stored inputs name b (it was
+    # merely computed over a dataset holding b), so c's change never reached b: b kept values of the old c.
+    root = str(tmp_path / "d")
+    rng = np.random.default_rng(0)
+    for i in range(2):
+        zarr.open_group(os.path.join(root, f"rec_{i}.zarr"), mode="w").create_array(
+            "pos", data=rng.random((5, 3), dtype="f4"))
+
+    def run(vc: int = 1) -> tuple[int, int, int]:
+        others = [f for f in ZarrRecords(root).fields if f != "c"]
+        rc = precompute(ZarrRecords(root, fields=others), "c", lambda s: s["pos"] * 2 * vc, {"v": vc})
+        ra = precompute(ZarrRecords(root, fields=["c"]), "a", lambda s: s["c"] + 1, {"v": 1})
+        rb = precompute(ZarrRecords(root, fields=["a"]), "b", lambda s: s["a"] * 10, {"v": 1})
+        return rc.written, ra.written, rb.written
+
+    assert run() == (2, 2, 2)
+    assert run() == (0, 0, 0)
+    assert run(vc=3) == (2, 2, 2) and run(vc=3) == (0, 0, 0)
+    assert run(vc=5) == (2, 2, 2) and run(vc=5) == (0, 0, 0)  # c's stored inputs name a and b by now
+    for i in range(2):
+        r = ZarrRecords(root, fields=["pos", "b"])[i]
+        np.testing.assert_allclose(r["b"].numpy(), (r["pos"].numpy() * 10 + 1) * 10, rtol=1e-6)

@@ -182,3 +182,41 @@ def test_no_anchor_in_one_of_several_volumes_names_its_arrays(wx, tmp_path):
         with pytest.raises(InvalidArgument, match=rf"field 'y' \(arrays {short} of shape \(7, 9, 11\)") as info:
             stoker.RandomCrops(vols, seed=0, pad=pad)
         assert info.value.context["uri"] == short
+
+
+def test_tile_grid_over_arrays_marks_pad_axes_in_its_identity(wx):
+    """A padded TileGrid over arrays with pad_axes lays out other tiles than one padded on every axis (time
+    tiled inside, the last tile shifted back): its identity says so, and a state saved with one is refused by
+    the other instead of resuming into tiles that all differ."""
+    uri, _ = wx
+    every = stoker.TileGrid([uri], (6, 6, 6), stride=(4, 4, 4), pad="reflect")
+    some = stoker.TileGrid([uri], (6, 6, 6), stride=(4, 4, 4), pad="reflect", pad_axes=(1, 2))
+    assert [every.sample(0, i).aabb for i in range(3)] != [some.sample(0, i).aabb for i in range(3)]
+    assert every.identity() != some.identity() and some.identity()[-2:] == ["pad_axes", [1, 2]]
+    assert every.fingerprint != some.fingerprint
+    state = every.for_rank(0, 1).state_dict()
+    with pytest.raises(InvalidArgument, match="saved for another sample list"):
+        some.for_rank(0, 1).load_state_dict(state)
+    every.for_rank(0, 1).load_state_dict(state)  # its own state resumes
+
+
+def test_a_tile_grid_short_on_an_axis_left_out_of_pad_axes_says_to_add_it(wx, tmp_path):
+    """With pad= given, an array too short for the tile on an axis not in pad_axes was refused (or, beside one
+    that holds a tile, left out with a warning) saying "use pad=", which was given: the way out is adding the
+    axis to pad_axes (or leaving pad_axes out)."""
+    import warnings
+
+    uri, _ = wx
+    short = str(tmp_path / "short.zarr")
+    zarr.create_array(short, shape=(5, Y, X), chunks=(5, 4, 5), dtype="f4")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(InvalidArgument, match=r"no array can hold .*add axis 0 to pad_axes \(1, 2\) \(or leave "
+                                                  r"pad_axes out\)") as err:
+            stoker.TileGrid([short], (6, 4, 4), stride=(4, 2, 2), pad="edge", pad_axes=(1, 2))
+    assert "pass pad=" not in str(err.value)
+    with pytest.warns(UserWarning, match=r"short\.zarr \(5, 9, 11\)\): add axis 0 to pad_axes \(1, 2\) \(or leave "
+                                         r"pad_axes out\)") as caught:
+        grid = stoker.TileGrid([uri, short], (6, 4, 4), stride=(4, 2, 2), pad="edge", pad_axes=(1, 2))
+    assert "pass pad=" not in str(caught[0].message) and {s.uri for s in grid} == {uri}
+    assert {s.uri for s in stoker.TileGrid([uri, short], (6, 4, 4), stride=(4, 2, 2), pad="edge")} == {uri, short}

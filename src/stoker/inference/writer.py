@@ -509,8 +509,8 @@ class TileWriter:
     int, or one per spatial axis); from every side of a padded tile (``TileGrid(pad=...)``), what is left
     clipped to the array. ``grid``: the TileGrid the samples come from, to write regions as soon
     as they are complete (a ``crop`` that would leave voxels its tiles cover unwritten is refused); a grid's
-    ``pad_axes`` are cropped as padded, its other axes as without pad (without ``grid=`` a padded tile is
-    cropped as padded on every axis: pass the grid of a ``pad_axes`` grid).
+    ``pad_axes`` are cropped as padded, its other axes as without pad (without ``grid=`` too: its samples
+    carry their ``pad_axes``; a padded sample without them is cropped as padded on every axis).
     ``rank``/``world_size``: from ``torch.distributed`` (``group``'s) when not given, and refused when they
     are not this process's place in it; ``group``: the process group of the collectives. ``write_threads``,
     ``write_bytes``, ``write_timeout_s``: the background writes (the module docstring). An integer ``dtype``
@@ -596,40 +596,47 @@ class TileWriter:
             except Exception as e:
                 failed = e
         self._in_step(failed)  # the array exists before the other ranks open it
-        if self.rank != 0:
-            arr = _open_output(store, self.uri)
-        _check_existing(self.uri, arr, self.shape, np.dtype(dtype), tuple(int(c) for c in chunks),
-                        None if shards is None else tuple(int(s) for s in shards))
-        self.array = arr
-        self.dtype = arr.dtype
-        # voxels no tile reached keep the fill value (zero without one)
-        self._fill = np.asarray(arr.fill_value if arr.fill_value is not None else 0, dtype=self.dtype)
-        self.unit_full = tuple(arr.shards or arr.chunks)  # the write unit: one shard, or one chunk
-        # the buffers of written regions, for the next ones: those of one region per write thread, and one
-        # more (its float64 sums, a float64 scratch, its output and its encoded chunks; see .buffers), and
-        # from a closed writer's (buffers.SPARE)
-        unit_voxels = int(np.prod(self.unit_full))
-        self._pool = BufferPool((int(write_threads) + 1) * unit_voxels * (3 * 8 + 2 * self.dtype.itemsize),
-                                spare=SPARE)
-        # whole chunks encoded on the write threads where the layout allows, into recycled buffers
-        # a local record's marks wait for fsynced chunk files: a store whose files cannot be fsynced is refused
-        self._chunks = ChunkWriter(arr, self._pool, durable=not is_remote(self.uri), uri=self.uri)
-        self.record = CompletionRecord(self.uri, storage_options)
-        if self.rank == 0:
-            settings = {"shape": list(self.shape), "unit": list(self.unit_full), "dtype": str(self.dtype),
-                        "blend": blend, "crop": _plain(crop)}
-            if grid is not None:  # another grid puts other tiles, so other values, in the regions it marked
-                settings["grid"] = {"sample_shape": list(grid.sample_shape), "stride": list(grid.stride),
-                                    "pad": grid.pad}
-                axes = getattr(grid, "pad_axes", None)
-                if axes is not None:  # only when set: the records of grids without it still match
-                    settings["grid"]["pad_axes"] = list(axes)
-            # a restart without grid= is not refused: its marks, like the grid's, are of whole regions
-            # not fsynced here: with the array's metadata before the first mark (below), not before the first tile
-            try:
+        # every rank's opening and checks fail in step: a rank that cannot open the array (an output on a
+        # disk only rank 0 sees) sends its failure to the others' next step rather than leave them waiting in it
+        try:
+            if self.rank != 0:
+                try:
+                    arr = _open_output(store, self.uri)
+                except (FileNotFoundError, KeyError, zarr.errors.NodeNotFoundError) as e:  # type: ignore[attr-defined]
+                    raise StorageError(f"TileWriter({self.uri}): rank {self.rank} cannot open the array rank 0 made "
+                                       f"({type(e).__name__}: {e}): put the output where every rank sees it (a shared "
+                                       "file system, or an object store)", uri=self.uri, key=None) from e
+            _check_existing(self.uri, arr, self.shape, np.dtype(dtype), tuple(int(c) for c in chunks),
+                            None if shards is None else tuple(int(s) for s in shards))
+            self.array = arr
+            self.dtype = arr.dtype
+            # voxels no tile reached keep the fill value (zero without one)
+            self._fill = np.asarray(arr.fill_value if arr.fill_value is not None else 0, dtype=self.dtype)
+            self.unit_full = tuple(arr.shards or arr.chunks)  # the write unit: one shard, or one chunk
+            # the buffers of written regions, for the next ones: those of one region per write thread, and one
+            # more (its float64 sums, a float64 scratch, its output and its encoded chunks; see .buffers), and
+            # from a closed writer's (buffers.SPARE)
+            unit_voxels = int(np.prod(self.unit_full))
+            self._pool = BufferPool((int(write_threads) + 1) * unit_voxels * (3 * 8 + 2 * self.dtype.itemsize),
+                                    spare=SPARE)
+            # whole chunks encoded on the write threads where the layout allows, into recycled buffers
+            # a local record's marks wait for fsynced chunk files: a store whose files cannot be fsynced is refused
+            self._chunks = ChunkWriter(arr, self._pool, durable=not is_remote(self.uri), uri=self.uri)
+            self.record = CompletionRecord(self.uri, storage_options)
+            if self.rank == 0:
+                settings = {"shape": list(self.shape), "unit": list(self.unit_full), "dtype": str(self.dtype),
+                            "blend": blend, "crop": _plain(crop)}
+                if grid is not None:  # another grid puts other tiles, so other values, in the regions it marked
+                    settings["grid"] = {"sample_shape": list(grid.sample_shape), "stride": list(grid.stride),
+                                        "pad": grid.pad}
+                    axes = getattr(grid, "pad_axes", None)
+                    if axes is not None:  # only when set: the records of grids without it still match
+                        settings["grid"]["pad_axes"] = list(axes)
+                # a restart without grid= is not refused: its marks, like the grid's, are of whole regions
+                # not fsynced here: with the array's metadata before the first mark (below), not before the first tile
                 self.record.check_settings(settings, optional=("grid",), durable=False)
-            except Exception as e:
-                failed = e
+        except Exception as e:
+            failed = e
         self._in_step(failed)
         # the regions written and marked (the record's, then each after its mark): what pending() skips
         self.done = self.record.done()
@@ -639,7 +646,7 @@ class TileWriter:
         self._boxes: dict[tuple[int, ...], list[Box]] = {}  # with grid=: each owned region's parts' boxes
         # with grid=: each tile's cut (see _setup, which needs the same boxes), so write() looks a grid tile's parts
         # up instead of redoing the box arithmetic per tile and region on the caller's thread
-        self._cuts: dict[tuple[Box, bool], tuple[int, list[tuple[tuple[int, ...], Box, tuple[Any, ...]]]]] = {}
+        self._cuts: dict[tuple[Box, bool | tuple[bool, ...]], tuple[int, list[tuple[tuple[int, ...], Box, tuple[Any, ...]]]]] = {}
         self._windows: dict[int, np.ndarray] = {}  # a tile axis's length -> its window (blend.window)
         self._scratch = np.empty(0, dtype=np.float64)  # the blend's products, reused (the caller's thread only)
         self.written = 0  # regions this rank wrote
@@ -673,7 +680,7 @@ class TileWriter:
             self._expected = {}
             # the grid's tiles (a prediction for another box is refused before it changes anything: write())
             assert self._tiles is not None
-            padded = self.grid.pad is not None
+            padded = self._padded_on if self.grid.pad is not None else False
             for tile in self._tiles:
                 cut = self._cuts[(tile, padded)] = self._cut_of(tile, padded)
                 for r, box, _ in cut[1]:
@@ -681,8 +688,9 @@ class TileWriter:
                         self._expected[r] = self._expected.get(r, 0) + 1
                         self._boxes.setdefault(r, []).append(box)
 
-    def _cut_of(self, aabb: Box, padded: bool) -> tuple[int, list[tuple[tuple[int, ...], Box, tuple[Any, ...]]]]:
-        """Where a tile at ``aabb`` (``padded``: a sample with ``pad``) goes: the flat index of its output box's
+    def _cut_of(self, aabb: Box, padded: bool | tuple[bool, ...]) -> tuple[int, list[tuple[tuple[int, ...], Box,
+                                                                                          tuple[Any, ...]]]]:
+        """Where a tile at ``aabb`` (``padded``: the axes it is padded on, :meth:`_pad_of`) goes: the flat index of its output box's
         first voxel (which tile wins a voxel of ``blend="none"``), and for each region its output box touches, in
         C order: the region, the part's box in the array, and the part as slices of the prediction (Ellipsis
         first). Pure: a grid's tiles are cut once (:meth:`_cut` skips a box cropped away whole, and refuses one
@@ -718,8 +726,18 @@ class TileWriter:
         held = lanes * (int(np.prod(shape)) * self.dtype.itemsize + plan.kept_voxels * np.dtype(parts).itemsize)
         return plan if held <= sums else None
 
-    def _out(self, aabb: Sequence[Sequence[int]], padded: bool) -> Box:
-        return output_box(aabb, self.crop, self.spatial, self._padded_on if padded else False)
+    def _out(self, aabb: Sequence[Sequence[int]], padded: bool | tuple[bool, ...]) -> Box:
+        return output_box(aabb, self.crop, self.spatial, padded)
+
+    def _pad_of(self, s: Sample) -> bool | tuple[bool, ...]:
+        """The axes ``s`` is cropped as padded on: none without ``pad``; its ``pad_axes`` when its sampler set
+        them (a ``TileGrid(pad_axes=...)`` tile, also without ``grid=``); else the grid's, or every axis."""
+        if s.pad is None:
+            return False
+        if s.pad_axes is None:
+            return self._padded_on
+        n = len(self.spatial)
+        return tuple(d in s.pad_axes or d - n in s.pad_axes for d in range(n))
 
     def _owner(self, region: tuple[int, ...]) -> int:
         if self.world_size == 1:
@@ -747,7 +765,7 @@ class TileWriter:
         first: dict[tuple[int, ...], list[Sample]] = {}  # a region -> the tiles that touch it first
         for i in range(len(grid)):
             s = grid.sample(0, i)
-            todo = [r for r in regions_of(self._out(box_of(s), s.pad is not None), self.unit) if r not in self.done]
+            todo = [r for r in regions_of(self._out(box_of(s), self._pad_of(s)), self.unit) if r not in self.done]
             if todo:
                 first.setdefault(min(todo), []).append(s)
         keep = [s for r in sorted(first) for s in first[r]]
@@ -798,7 +816,8 @@ class TileWriter:
                 raise InvalidArgument(f"TileWriter(grid=...): a prediction for the tile {key}, which is no tile of "
                                       "the grid: write its tiles (writer.pending(grid)), or leave grid= out",
                                       uri=self.uri)
-            out = self._out(aabb, s.pad is not None)
+            padded = self._pad_of(s)
+            out = self._out(aabb, padded)
             if any(a < 0 or b > n for (a, b), n in zip(out, self.spatial)):
                 # only a padded sample's box is clipped to the array: past it, there is no region to write
                 raise InvalidArgument(f"TileWriter.write: the sample {s!r} reaches past the array {self.uri} "
@@ -806,19 +825,20 @@ class TileWriter:
                                       "(as TileGrid(pad=...) does), or keep its box inside the array", uri=self.uri)
             if any(b <= a for a, b in out):
                 # nothing of it would be written, and the voxels only it covers would keep the fill value
-                raise InvalidArgument(_cropped_away(self.uri, self._crop_arg, s, aabb, self.crop, self.spatial),
+                raise InvalidArgument(_cropped_away(self.uri, self._crop_arg, s, aabb, self.crop, self.spatial, padded),
                                       uri=self.uri, knob="crop")
-            cut = self._cuts.get((key, s.pad is not None))
-            start, pieces = cut if cut is not None else self._cut_of(key, s.pad is not None)
+            cut = self._cuts.get((key, padded))
+            start, pieces = cut if cut is not None else self._cut_of(key, padded)
             for r, box, at in pieces:
                 if r in self._handed:
                     continue
                 parts[self._owner(r)].append((r, key, box, pred[at], start))
 
     def _in_step(self, failed: BaseException | None) -> None:
-        """A barrier of the ranks that also hands them rank 0's failure (``failed``, raised there): each raises
-        it at once rather than wait in the barrier rank 0 never reaches (the group's timeout, or for ever while
-        rank 0 lives on)."""
+        """A barrier of the ranks that also hands each rank's failure (``failed``: this rank's, or None) to the
+        others: a rank that failed raises its own, every other rank an error naming the first rank that failed
+        (:func:`_raise_for_others`), at once, rather than wait in a later collective the failed rank never
+        reaches (the group's timeout, or for ever while it lives on)."""
         if active_group(self.group) is not None and self.world_size > 1:
             everyone = all_gather_object(_reason(failed) if failed is not None else None, self.group)
             if failed is None:
@@ -1201,12 +1221,12 @@ def _check_finite_fits(p: np.ndarray, dtype: np.dtype, uri: str) -> None:
 
 
 def _cropped_away(uri: str, crop_arg: Any, s: Sample, aabb: Box, crop: Sequence[int],
-                  spatial: Sequence[int]) -> str:
+                  spatial: Sequence[int], padded_on: bool | tuple[bool, ...]) -> str:
     """Why ``write`` refuses the sample ``s`` whose kept box is empty: on which axis, with the numbers, and
     the largest crop that keeps something of it there (a padded tile's kept box is also clipped to the array,
     so half the tile is not the bound for it)."""
-    padded = s.pad is not None
-    k = next(k for k, (a, b) in enumerate(output_box(aabb, crop, spatial, padded)) if b <= a)
+    k = next(k for k, (a, b) in enumerate(output_box(aabb, crop, spatial, padded_on)) if b <= a)
+    padded = padded_on if isinstance(padded_on, bool) else padded_on[k]
     (a, b), c, n = aabb[k], crop[k], spatial[k]
     kept = (a + c, b - c) if padded else output_box(((a, b),), (c,), (n,))[0]
     fits = [c2 for c2 in range(c) if (o := output_box(((a, b),), (c2,), (n,), padded)[0])[0] < o[1]]

@@ -144,40 +144,50 @@ def stored_inputs(record: str, name: str) -> Any:
     return entry.get("inputs") if isinstance(entry, dict) else None
 
 
-def _leads_to(record: str, field: str, name: str) -> bool:
-    """Whether the stored inputs of ``field`` name ``name``, directly or through other precomputed arrays' stored
-    inputs (each array's attributes read once; a cycle among them ends the walk)."""
-    seen, todo = {field}, [field]
-    while todo:
-        stored = stored_inputs(record, todo.pop())
-        for k in stored if isinstance(stored, dict) else ():
-            if k == name:
-                return True
-            if k not in seen:
-                seen.add(k)
-                todo.append(k)
-    return False
+def _derived_digest(record: str, field: str, name: str, seen: frozenset[str], memo: dict) -> str:
+    """What the precomputed array ``field`` was computed as, seen from a precompute of ``name``: its stored
+    fingerprint and stored inputs less ``name``, a raw field among them by its stored digest, a precomputed
+    one by this digest in turn (so a change of fingerprint or files anywhere up the chain reaches ``name``).
+    ``name`` itself is never looked into, so recomputing it never changes what it sees (chained precomputes
+    settle); ``seen`` (the arrays on the way here) ends a cycle among the others at the fingerprint."""
+    key = (field, seen)
+    if key not in memo:
+        seen = seen | {field}
+        stored = stored_inputs(record, field)
+        source: dict[str, Any] | None = None
+        if isinstance(stored, dict):
+            source = {}
+            for k, v in stored.items():
+                if k == name:
+                    continue
+                fp = stored_fingerprint(record, k)
+                if fp is None:  # a raw field (or a precomputed one since deleted): as it was when computed
+                    source[k] = v
+                    continue
+                digest = ["cycle", fp] if k in seen else _derived_digest(record, k, name, seen, memo)
+                source[k] = (v[:2] if isinstance(v, list) else []) + [digest]
+        memo[key] = hashlib.sha256(_canonical([stored_fingerprint(record, field), source]).encode()).hexdigest()[:32]
+    return memo[key]
 
 
 def record_inputs(ds: ZarrRecords, i: int, name: str) -> dict[str, list]:
     """``{field: [stored shape, dtype, files]}`` of record ``i``'s fields but ``name``, as JSON data: what an
     array precomputed from them was computed from. ``files`` digests the size and modification time of each
     file of the field (:func:`stoker.records.identity.fields_digest`; None for a field in an object store).
-    An array precompute wrote is digested by what it was computed as instead: its fingerprint and its stored
-    ``inputs`` (the digests as they were when it was computed, so a change anywhere up a chain
-    ``c = f(pos)``, ``a = g(c)``, ``b = h(a)`` reaches ``b``), less ``name`` and the fields whose stored inputs
-    lead to ``name``: chained precomputes, each on a dataset holding the other's array, would otherwise each
-    see the other rewritten at every run and recompute for ever."""
+    An array precompute wrote is digested by what it was computed as instead (:func:`_derived_digest`): its
+    fingerprint and its stored ``inputs`` less ``name``, the precomputed ones among them digested the same
+    way, so a change anywhere up a chain ``c = f(pos)``, ``a = g(c)``, ``b = h(a)`` reaches ``b`` (``c``
+    computed over a dataset holding ``b`` too); ``name`` is left out at every step, as chained precomputes,
+    each on a dataset holding the other's array, would otherwise each see the other rewritten at every run
+    and recompute for ever."""
     info = ds.metadata(i)
     others = [f for f in sorted(info.fields) if f != name]
     record = record_folder(ds, i)
-    derived = {f: fp for f in others if (fp := stored_fingerprint(record, f)) is not None}
+    derived = [f for f in others if stored_fingerprint(record, f) is not None]
     files: dict[str, str | None] = ds.files_digest(i, [f for f in others if f not in derived])
-    for f, fp in derived.items():
-        stored = stored_inputs(record, f)
-        source = {k: v for k, v in stored.items() if k != name and not _leads_to(record, k, name)} \
-            if isinstance(stored, dict) else None
-        files[f] = hashlib.sha256(_canonical([fp, source]).encode()).hexdigest()[:32]
+    memo: dict = {}
+    for f in derived:
+        files[f] = _derived_digest(record, f, name, frozenset(), memo)
     return {f: [list(info.fields[f].stored_shape), np.dtype(info.fields[f].dtype).str, files[f]] for f in others}
 
 

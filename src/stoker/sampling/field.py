@@ -129,6 +129,7 @@ class Volume:
                  bounds: Sequence[tuple[int, int]] | None = None, pad: str | None = None,
                  pad_axes: Sequence[int] | None = None, overlap: bool = True) -> None:
         self.pad = pad
+        self.pad_axes = None if pad is None or pad_axes is None else tuple(pad_axes)
         self.bounds = None if bounds is None else [tuple(int(v) for v in b) for b in bounds]
         self.fields = dict(fields)
         self.names = tuple(fields)
@@ -237,7 +238,8 @@ class Volume:
 
     def sample(self, anchor: Sequence[int]) -> Sample:
         """The sample of every field at ``anchor`` (padded with the volume's ``pad``)."""
-        return Sample({n: (self.fields[n].arrays, self.box(n, anchor)) for n in self.names}, pad=self.pad)
+        return Sample({n: (self.fields[n].arrays, self.box(n, anchor)) for n in self.names}, pad=self.pad,
+                      pad_axes=self.pad_axes)
 
 
 class MaskedVolume(NamedTuple):

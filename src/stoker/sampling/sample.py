@@ -74,10 +74,13 @@ class Sample:
     the mapping from name to each field's own sample (``None`` for a sample of one box), ``names`` their
     order, ``sample[name]`` one of them, ``uris`` every field's arrays; ``aabb``, ``crop_shape`` and
     ``channels`` are ``None`` (each field has its own) and ``shape`` maps names to shapes. ``pad`` (see the
-    module docstring) applies to every field.
+    module docstring) applies to every field. ``pad_axes`` (axis numbers, with ``pad``) says which axes the box
+    may be padded on, as the sampler that made it was told (``TileGrid(pad_axes=...)``); None: every axis. The
+    read is the same either way (it is not part of equality); a ``TileWriter`` crops the other axes as
+    unpadded.
     """
 
-    __slots__ = ("uri", "uris", "channels", "aabb", "crop_shape", "fields", "pad", "_hash")
+    __slots__ = ("uri", "uris", "channels", "aabb", "crop_shape", "fields", "pad", "pad_axes", "_hash")
     uri: str
     uris: tuple[str, ...]
     channels: int | None
@@ -85,16 +88,22 @@ class Sample:
     crop_shape: tuple[int, ...] | None  # the shape of the box (what is read from each array); planners ask it often
     fields: dict[str, "Sample"] | None
     pad: str | None
+    pad_axes: tuple[int, ...] | None
     _hash: int
 
     def __init__(self, uri: str | os.PathLike | Sequence[str | os.PathLike] | Mapping[str, Any],
-                 aabb: Any = None, pad: str | None = None) -> None:
+                 aabb: Any = None, pad: str | None = None, pad_axes: Sequence[int] | None = None) -> None:
         pad = check_pad(pad)
+        if pad_axes is not None:
+            if pad is None:
+                raise InvalidArgument("Sample pad_axes names the axes the box may be padded on and needs pad=",
+                                      knob="pad_axes")
+            pad_axes = tuple(sorted({int(a) for a in pad_axes}))
         channels: int | None = None
         if type(uri) is str:  # the common case first: the ABC checks below cost microseconds a sample
             uris: tuple[str, ...] = (uri,)
         elif isinstance(uri, Mapping):
-            self._init_fields(uri, aabb, pad)
+            self._init_fields(uri, aabb, pad, pad_axes)
             return
         elif isinstance(uri, (list, tuple)):
             uris = tuple(_uri(u) for u in uri)
@@ -114,9 +123,11 @@ class Sample:
         set_(self, "crop_shape", box_shape(box))
         set_(self, "fields", None)
         set_(self, "pad", pad)
+        set_(self, "pad_axes", pad_axes)
         set_(self, "_hash", hash((uris, channels, box, pad)))
 
-    def _init_fields(self, given: Mapping[str, Any], aabb: Any, pad: str | None) -> None:
+    def _init_fields(self, given: Mapping[str, Any], aabb: Any, pad: str | None,
+                     pad_axes: tuple[int, ...] | None) -> None:
         if aabb is not None:
             raise InvalidArgument("a Sample of fields takes each field's box in its mapping "
                                   "({name: (uri, box)}), not a box of its own")
@@ -129,11 +140,11 @@ class Sample:
             if isinstance(value, Sample):
                 if value.fields is not None:
                     raise InvalidArgument(f"Sample field {name!r} is itself a Sample of fields; fields do not nest")
-                if value.pad != pad:
-                    value = Sample(given_uri(value), value.aabb, pad=pad)
+                if value.pad != pad or value.pad_axes != pad_axes:
+                    value = Sample(given_uri(value), value.aabb, pad=pad, pad_axes=pad_axes)
             elif isinstance(value, (tuple, list)) and len(value) == 2:
                 try:
-                    value = Sample(value[0], value[1], pad=pad)
+                    value = Sample(value[0], value[1], pad=pad, pad_axes=pad_axes)
                 except InvalidArgument as exc:
                     raise InvalidArgument(f"Sample field {name!r}: {exc}") from None
             else:
@@ -148,6 +159,7 @@ class Sample:
         set_(self, "crop_shape", None)
         set_(self, "fields", fields)
         set_(self, "pad", pad)
+        set_(self, "pad_axes", pad_axes)
         set_(self, "_hash", hash(tuple(fields.items())) ^ hash(pad))
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -189,6 +201,7 @@ class Sample:
 
     def __repr__(self) -> str:
         pad = "" if self.pad is None else f", pad={self.pad!r}"
+        pad += "" if self.pad_axes is None else f", pad_axes={self.pad_axes!r}"
         if self.fields is not None:
             inner = ", ".join(f"{n!r}: ({given_uri(f)!r}, {list(f.aabb or ())})" for n, f in self.fields.items())
             return f"Sample({{{inner}}}{pad})"
@@ -196,8 +209,9 @@ class Sample:
 
     def __reduce__(self):
         if self.fields is not None:
-            return (Sample, ({n: (given_uri(f), f.aabb) for n, f in self.fields.items()}, None, self.pad))
-        return (Sample, (given_uri(self), self.aabb, self.pad))
+            return (Sample, ({n: (given_uri(f), f.aabb) for n, f in self.fields.items()}, None, self.pad,
+                             self.pad_axes))
+        return (Sample, (given_uri(self), self.aabb, self.pad, self.pad_axes))
 
 
 def given_uri(sample: Sample) -> str | list[str]:

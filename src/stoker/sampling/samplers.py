@@ -408,7 +408,7 @@ class RandomCrops(SampleSource):
             volume = self.volumes[int(which[k])].volume
             return volume.sample(volume.anchor(corner))
         return Sample(self.arrays[int(which[k])], [(int(c), int(c) + s) for c, s in zip(corner, self.sample_shape)],
-                      pad=self.pad)
+                      pad=self.pad, pad_axes=self.pad_axes)
 
     def identity(self) -> Any:
         """The arrays, their shapes, the crop shape, weights, epoch length and seed; over fields, the fields,
@@ -651,15 +651,16 @@ class TileGrid(SampleSource):
         if self._offsets[-1] == 0:
             shapes = ", ".join(f"{uri} {shape}" for uri, shape in zip(self.arrays[:4], self.shapes))
             raise InvalidArgument(f"TileGrid: no array can hold a {self.sample_shape} tile ({shapes}"
-                                  f"{', ...' if len(self.arrays) > 4 else ''}): use a smaller sample_shape, or pad= "
-                                  "to let tiles reach past the borders", knob="sample_shape")
+                                  f"{', ...' if len(self.arrays) > 4 else ''}): use a smaller sample_shape, or "
+                                  f"{self._let_past(self.shapes)}", knob="sample_shape")
         left_out = [f"{uri} {shape}" for uri, shape, counts in zip(self.arrays, self.shapes, self._counts)
                     if not math.prod(counts)]
         if left_out:  # a volume of an evaluation or inference set silently missing from its epoch
             warnings.warn(f"TileGrid: {len(left_out)} of {len(self.arrays)} arrays are shorter than the tile "
                           f"{self.sample_shape} on some axis and get no tile, so none of their voxels is in the "
-                          f"grid ({', '.join(left_out[:4])}{', ...' if len(left_out) > 4 else ''}): use pad= to "
-                          "tile them past their borders, or a smaller sample_shape", stacklevel=2)
+                          f"grid ({', '.join(left_out[:4])}{', ...' if len(left_out) > 4 else ''}): "
+                          f"{self._let_past([sh for sh, n in zip(self.shapes, self._counts) if not math.prod(n)])}, "
+                          "or use a smaller sample_shape", stacklevel=2)
         if self._offsets[-1] > MAX_SAMPLES:
             raise InvalidArgument(
                 f"TileGrid over {self.arrays}: {self._offsets[-1]} tiles of {self.sample_shape} at stride "
@@ -728,6 +729,17 @@ class TileGrid(SampleSource):
             return ()
         return tuple(range(ndim)) if self.pad_axes is None else self.pad_axes
 
+    def _let_past(self, shapes: Sequence[Sequence[int]]) -> str:
+        """How to let tiles reach past the borders of arrays of ``shapes`` too short for the tile: pad=, or (with
+        pad= and pad_axes) adding the short axes to pad_axes."""
+        if self.pad is None:
+            return "pass pad= to let tiles reach past the borders"
+        padded = self._padded_axes(len(self.sample_shape))
+        short = sorted({d for shape in shapes for d, (n, c) in enumerate(zip(shape, self.sample_shape))
+                        if n < c and d not in padded})
+        return (f"add axis {', '.join(map(str, short))} to pad_axes {self.pad_axes} (or leave pad_axes out) to let "
+                "tiles reach past the borders there")
+
     def _pad_axes_id(self) -> list:
         # only when given: grids without pad_axes keep their fingerprints
         return [] if self.pad_axes is None else ["pad_axes", list(self.pad_axes)]
@@ -766,7 +778,8 @@ class TileGrid(SampleSource):
         else:  # the last tile of an axis ends at the border (shifted back when the strides do not land there)
             corner = [min(t * st, s - c) for t, st, s, c in
                       zip(reversed(tile), self.stride, self.shapes[a], self.sample_shape)]
-        return Sample(self.arrays[a], [(c, c + s) for c, s in zip(corner, self.sample_shape)], pad=self.pad)
+        return Sample(self.arrays[a], [(c, c + s) for c, s in zip(corner, self.sample_shape)], pad=self.pad,
+                      pad_axes=self.pad_axes)
 
     def identity(self) -> Any:
         """The arrays, their shapes, the tile shape and stride, and the order's settings."""
@@ -778,7 +791,7 @@ class TileGrid(SampleSource):
         cover = ["cover-border"] if self._shifted else []
         pad = [] if self.pad is None else ["pad", self.pad]
         return [self.arrays, self.shapes, self.sample_shape, self.stride, self.shuffle, self.seed] + \
-            _order_id(self) + cover + pad
+            _order_id(self) + cover + pad + self._pad_axes_id()
 
 
 def _padded_layout(volume: Any, stride: tuple[int, ...], pad: str, i: int,
