@@ -381,3 +381,26 @@ def test_new_params_mid_chain_reach_its_end_when_the_first_sees_every_array(tmp_
     for i in range(2):
         r = ZarrRecords(root, fields=["pos", "b"])[i]
         np.testing.assert_allclose(r["b"].numpy(), (r["pos"].numpy() * 10 + 1) * 10, rtol=1e-6)
+
+
+def test_what_a_precompute_sees_of_a_long_chain_reads_each_array_once(tmp_path, monkeypatch):
+    # p0..p11, each computed over every field before it: a walk per path through them read 2**12 attribute
+    # files for one record (23 s at twelve arrays); one visited set reads each array's once
+    from stoker.records import precomputed
+
+    root = str(tmp_path / "d")
+    zarr.open_group(os.path.join(root, "rec_0.zarr"), mode="w").create_array(
+        "pos", data=np.arange(6, dtype="f4").reshape(2, 3))
+    n = 12
+    for k in range(n):
+        precompute(ZarrRecords(root), f"p{k}", lambda s, k=k: s["pos"] + k, {"k": k})
+    reads: list[str] = []
+    attributes = precomputed._attributes
+    monkeypatch.setattr(precomputed, "_attributes", lambda path: reads.append(path) or attributes(path))
+    inputs = precomputed.record_inputs(ZarrRecords(root), 0, "new")
+    assert sorted(inputs) == sorted(["pos"] + [f"p{k}" for k in range(n)])
+    assert len(reads) <= n + 1, len(reads)
+    # and a change of the first reaches what the last is seen as
+    before = inputs["p11"]
+    precompute(ZarrRecords(root, fields=["pos"]), "p0", lambda s: s["pos"] + 100, {"k": 100})
+    assert precomputed.record_inputs(ZarrRecords(root), 0, "new")["p11"] != before

@@ -144,30 +144,48 @@ def stored_inputs(record: str, name: str) -> Any:
     return entry.get("inputs") if isinstance(entry, dict) else None
 
 
-def _derived_digest(record: str, field: str, name: str, seen: frozenset[str], memo: dict) -> str:
-    """What the precomputed array ``field`` was computed as, seen from a precompute of ``name``: its stored
-    fingerprint and stored inputs less ``name``, a raw field among them by its stored digest, a precomputed
-    one by this digest in turn (so a change of fingerprint or files anywhere up the chain reaches ``name``).
-    ``name`` itself is never looked into, so recomputing it never changes what it sees (chained precomputes
-    settle); ``seen`` (the arrays on the way here) ends a cycle among the others at the fingerprint."""
-    key = (field, seen)
-    if key not in memo:
-        seen = seen | {field}
-        stored = stored_inputs(record, field)
-        source: dict[str, Any] | None = None
+def _entries(record: str) -> Callable[[str], tuple[str | None, Any]]:
+    """``entry(field)``: the stored ``(fingerprint, inputs)`` of ``field`` in the record group at ``record``
+    (``(None, None)`` for a raw field), each field's attributes read once per call of :func:`record_inputs`."""
+    got: dict[str, tuple[str | None, Any]] = {}
+
+    def entry(field: str) -> tuple[str | None, Any]:
+        if field not in got:
+            attrs = _attributes(os.path.join(record, field))
+            stored = attrs.get(ATTR) if attrs else None
+            fp = stored.get("fingerprint") if isinstance(stored, dict) else None
+            inputs = stored.get("inputs") if isinstance(stored, dict) else None
+            got[field] = (fp if isinstance(fp, str) else None, inputs if fp is not None else None)
+        return got[field]
+
+    return entry
+
+
+def _derived_digest(entry: Callable[[str], tuple[str | None, Any]], field: str, name: str) -> str:
+    """What the precomputed array ``field`` was computed as, seen from a precompute of ``name``: the stored
+    fingerprint and stored inputs of every precomputed array it was computed from, directly or through others
+    (``field`` first among them), a raw input by its stored shape, dtype and digest, a precomputed one by its
+    shape and dtype (its own entry is in the set), so a change of fingerprint or files anywhere up the chain
+    reaches ``name``. ``name`` itself is never looked into, so recomputing it never changes what it sees
+    (chained precomputes settle); one visited set ends a cycle among the others, and keeps the cost linear in
+    the arrays reached (not one walk per path)."""
+    reached, stack = {field}, [field]
+    while stack:
+        _, stored = entry(stack.pop())
         if isinstance(stored, dict):
-            source = {}
-            for k, v in stored.items():
-                if k == name:
-                    continue
-                fp = stored_fingerprint(record, k)
-                if fp is None:  # a raw field (or a precomputed one since deleted): as it was when computed
-                    source[k] = v
-                    continue
-                digest = ["cycle", fp] if k in seen else _derived_digest(record, k, name, seen, memo)
-                source[k] = (v[:2] if isinstance(v, list) else []) + [digest]
-        memo[key] = hashlib.sha256(_canonical([stored_fingerprint(record, field), source]).encode()).hexdigest()[:32]
-    return memo[key]
+            for k in stored:
+                if k != name and k not in reached and entry(k)[0] is not None:
+                    reached.add(k)
+                    stack.append(k)
+    parts = []
+    for k in sorted(reached):
+        fp, stored = entry(k)
+        source = None
+        if isinstance(stored, dict):
+            source = {j: (v if entry(j)[0] is None else (v[:2] if isinstance(v, list) else []))
+                      for j, v in stored.items() if j != name}
+        parts.append([k, fp, source])
+    return hashlib.sha256(_canonical(parts).encode()).hexdigest()[:32]
 
 
 def record_inputs(ds: ZarrRecords, i: int, name: str) -> dict[str, list]:
@@ -182,12 +200,11 @@ def record_inputs(ds: ZarrRecords, i: int, name: str) -> dict[str, list]:
     and recompute for ever."""
     info = ds.metadata(i)
     others = [f for f in sorted(info.fields) if f != name]
-    record = record_folder(ds, i)
-    derived = [f for f in others if stored_fingerprint(record, f) is not None]
+    entry = _entries(record_folder(ds, i))
+    derived = [f for f in others if entry(f)[0] is not None]
     files: dict[str, str | None] = ds.files_digest(i, [f for f in others if f not in derived])
-    memo: dict = {}
     for f in derived:
-        files[f] = _derived_digest(record, f, name, frozenset(), memo)
+        files[f] = _derived_digest(entry, f, name)
     return {f: [list(info.fields[f].stored_shape), np.dtype(info.fields[f].dtype).str, files[f]] for f in others}
 
 
