@@ -212,3 +212,18 @@ def test_samples_carry_their_pad_axes_to_a_writer_without_grid(volume, tmp_path)
         writer.write(samples, x)
     writer.close()
     np.testing.assert_array_equal(zarr.open_array(out, mode="r")[:], data)  # no NaN left: every voxel
+
+
+def test_with_grid_the_grid_s_pad_axes_crop_whatever_the_samples_say(volume, tmp_path):
+    """With grid=, the tiles were cut and checked for holes by the grid's pad_axes; samples of its boxes that
+    say they are padded on every axis were cropped by their own (406 voxels left at the fill value)."""
+    uri, data = volume
+    grid = stoker.TileGrid([uri], (6, 10, 6), stride=(4, 6, 2), pad="reflect", pad_axes=(1, 2))
+    out = str(tmp_path / "out.zarr")
+    writer = stoker.TileWriter(out, SHAPE, (5, 8, 4), "f4", blend="none", crop=(1, 2, 2), rank=0,
+                               world_size=1, fill_value=np.nan, grid=grid)
+    cfg = stoker.Config(batch_size=6, dtype="f32", device="cpu", n_compute_threads=1)
+    for samples, x in stoker.CropDataset(grid, cfg, with_samples=True):
+        writer.write([stoker.Sample(s.uri, s.aabb, pad="reflect", pad_axes=(0, 1, 2)) for s in samples], x)
+    writer.close()
+    np.testing.assert_array_equal(zarr.open_array(out, mode="r")[:], data)

@@ -730,11 +730,12 @@ class TileWriter:
         return output_box(aabb, self.crop, self.spatial, padded)
 
     def _pad_of(self, s: Sample) -> bool | tuple[bool, ...]:
-        """The axes ``s`` is cropped as padded on: none without ``pad``; its ``pad_axes`` when its sampler set
-        them (a ``TileGrid(pad_axes=...)`` tile, also without ``grid=``); else the grid's, or every axis."""
+        """The axes ``s`` is cropped as padded on: none without ``pad``; with ``grid=``, the grid's (what the
+        tiles were cut and checked for holes by: a sample saying otherwise would leave gaps); else its
+        ``pad_axes`` when its sampler set them (a ``TileGrid(pad_axes=...)`` tile), or every axis."""
         if s.pad is None:
             return False
-        if s.pad_axes is None:
+        if self.grid is not None or s.pad_axes is None:
             return self._padded_on
         n = len(self.spatial)
         return tuple(d in s.pad_axes or d - n in s.pad_axes for d in range(n))
