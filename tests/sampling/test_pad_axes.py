@@ -220,3 +220,12 @@ def test_a_tile_grid_short_on_an_axis_left_out_of_pad_axes_says_to_add_it(wx, tm
         grid = stoker.TileGrid([uri, short], (6, 4, 4), stride=(4, 2, 2), pad="edge", pad_axes=(1, 2))
     assert "pass pad=" not in str(caught[0].message) and {s.uri for s in grid} == {uri}
     assert {s.uri for s in stoker.TileGrid([uri, short], (6, 4, 4), stride=(4, 2, 2), pad="edge")} == {uri, short}
+
+
+@pytest.mark.parametrize("bad", [(5,), (-7,), (True,), 1, "01", (1.0,)])
+def test_sample_pad_axes_are_checked_axis_numbers(bad):
+    """A Sample's pad_axes out of the box's range, or not integers, were kept as given (a writer then cropped
+    the axis as not padded); a bare integer raised a TypeError."""
+    with pytest.raises(InvalidArgument, match="pad_axes"):
+        stoker.Sample("/x.zarr", [(0, 4), (0, 4), (0, 4)], pad="edge", pad_axes=bad)
+    assert stoker.Sample("/x.zarr", [(0, 4), (0, 4), (0, 4)], pad="edge", pad_axes=(0, 0, -2)).pad_axes == (0, 1)

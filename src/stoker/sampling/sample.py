@@ -35,6 +35,7 @@ value (NaN for a ``_FillValue``).
 
 from __future__ import annotations
 
+import numbers
 import os
 from collections.abc import Mapping
 from typing import Any, Sequence
@@ -98,7 +99,7 @@ class Sample:
             if pad is None:
                 raise InvalidArgument("Sample pad_axes names the axes the box may be padded on and needs pad=",
                                       knob="pad_axes")
-            pad_axes = tuple(sorted({int(a) for a in pad_axes}))
+            pad_axes = _axis_numbers(pad_axes)
         channels: int | None = None
         if type(uri) is str:  # the common case first: the ABC checks below cost microseconds a sample
             uris: tuple[str, ...] = (uri,)
@@ -115,6 +116,11 @@ class Sample:
         box = parse_box(aabb, allow_negative=pad is not None)
         if any(stop == start for start, stop in box):
             raise InvalidArgument(f"Sample box {box} is empty on some axis; every extent must be >= 1")
+        if pad_axes is not None:  # in range of the box, negative ones from the end, as the samplers keep them
+            if not all(-len(box) <= a < len(box) for a in pad_axes):
+                raise InvalidArgument(f"Sample pad_axes {pad_axes} must be axis numbers in [-{len(box)}, "
+                                      f"{len(box)}) (the box has {len(box)} axes)", knob="pad_axes")
+            pad_axes = tuple(sorted({a % len(box) for a in pad_axes}))
         set_ = object.__setattr__
         set_(self, "uri", uris[0])
         set_(self, "uris", uris)
@@ -252,3 +258,12 @@ def arrays_read(s: Sample) -> str:
     if s.fields is not None:
         return f"{len(s.fields)} fields ({', '.join(s.fields)})"
     return "one array (no channel axis)" if s.channels is None else f"{s.channels} arrays (channels)"
+
+
+def _axis_numbers(pad_axes: Any) -> tuple[int, ...]:
+    """``pad_axes`` as distinct sorted integers; InvalidArgument for anything but a collection of integers."""
+    if isinstance(pad_axes, (str, bytes)) or not isinstance(pad_axes, (list, tuple, set, frozenset, range)):
+        raise InvalidArgument(f"Sample pad_axes must be a tuple of axis numbers, got {pad_axes!r}", knob="pad_axes")
+    if not all(isinstance(a, numbers.Integral) and not isinstance(a, bool) for a in pad_axes):
+        raise InvalidArgument(f"Sample pad_axes must be axis numbers (integers), got {pad_axes!r}", knob="pad_axes")
+    return tuple(sorted({int(a) for a in pad_axes}))
