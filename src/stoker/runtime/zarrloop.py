@@ -17,17 +17,15 @@ the interpreter still runs.
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import threading
 import time
 from typing import Any
 
-#: the most the exit hook waits for zarr-python's cancelled requests to end
+from .loopexit import GRACE_S, cancel_pending
+
+#: the most the exit hook waits for zarr-python's cancelled requests to end (then GRACE_S, runtime/loopexit.py)
 EXIT_WAIT_S = 2.0
-#: then, the GIL released: time for tokio threads to leave the GIL they took to hand a result to zarr's loop
-#: (a request that ended just before the exit has its task done while its thread still holds the GIL)
-GRACE_S = 0.1
 
 _lock = threading.Lock()  # a leaf: held only to register once
 _hooked = False
@@ -43,16 +41,6 @@ def hook() -> None:
             _hooked = True
 
 
-async def _cancel_pending(wait_s: float) -> int:
-    me = asyncio.current_task()
-    pending = [t for t in asyncio.all_tasks() if t is not me and not t.done()]
-    for t in pending:
-        t.cancel()
-    if pending:
-        await asyncio.wait(pending, timeout=wait_s)
-    return len(pending)
-
-
 def settle(wait_s: float = EXIT_WAIT_S) -> int:
     """Cancel the tasks zarr-python's event loop still runs and wait up to ``wait_s`` for them to end: the
     count cancelled (0 where zarr's loop never started or is gone). The exit hook; it never raises."""
@@ -62,14 +50,10 @@ def settle(wait_s: float = EXIT_WAIT_S) -> int:
     loop = None if sync is None else getattr(sync, "loop", [None])[0]
     if loop is None or loop.is_closed() or not loop.is_running():
         return 0
-    count = 0
-    try:
-        count = asyncio.run_coroutine_threadsafe(_cancel_pending(wait_s), loop).result(wait_s + 1.0)
-    except Exception:  # noqa: BLE001 - at exit: a loop stopping under us has nothing left to wait for
-        pass
+    count = cancel_pending(loop, wait_s)
     # Even with none pending (not skipped: a script's last TileWriter.close() just before the exit is that case):
     # a request's tokio thread hands its result with loop.call_soon_threadsafe, which leaves the GIL to write to
     # the loop's wake-up socket; the loop may finish the task meanwhile, and the thread then takes the GIL back
     # and releases it. Finalisation begun by then aborts the process in PyGILState_Release.
     time.sleep(GRACE_S)
-    return int(count)
+    return count
