@@ -36,6 +36,7 @@ the version an answer names is that of the object whose bytes it carries.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
 import concurrent.futures
 import contextlib
@@ -52,7 +53,9 @@ from urllib.parse import urlparse
 
 from .. import checks
 from ..errors import InternalError, InvalidArgument, NotFound, ShutdownError, StorageError, UnsupportedFormat, as_value
+from ..runtime import lifetime
 from ..runtime.faults import serve
+from ..runtime.loopexit import GRACE_S, cancel_pending
 from .ranges import coalesce
 from .store import (ByteRange, Store, by_key, check_key, check_prefix, gone_or_shorter, missing_bucket, not_found,
                     short_read)
@@ -125,13 +128,21 @@ def _check_not_forked(uri: str) -> None:
 _LOOP_STOPS = "No remote store can be read in this process any more: start another process"
 
 
+#: the most the exit hook waits for the requests it cancelled to end, and again for the loop's thread to stop
+EXIT_WAIT_S = 2.0
+
+
 class _Loop:
     """The event loop thread that runs every ObjectStore's requests (one per process).
 
     Should its loop raise (a bug: asyncio hands a callback's error to its exception handler, so only what
     escapes that does), the thread ends and the fault is kept (:meth:`failed`): every request pending fails
     with it at once, and so does every later one (:meth:`start`), rather than wait to its timeout for a loop
-    that no longer runs and blame the store."""
+    that no longer runs and blame the store.
+
+    At interpreter exit (:func:`_at_exit`, registered with the process's first loop) :meth:`settle` ends its
+    requests and stops it: an obstore request ending while the interpreter finalises aborts the process
+    (runtime/loopexit.py)."""
 
     _lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
     _current: "_Loop | None" = None
@@ -142,13 +153,18 @@ class _Loop:
         self.fault: InternalError | None = None
         self._futures: set[concurrent.futures.Future] = set()  # started and not done (failed by a fault)
         self._futures_lock = threading.Lock()  # lock rank 4, a leaf (engine/pipeline/facade.py)
-        threading.Thread(target=serve, args=(self.loop.run_forever, self.failed, _LOOP_STOPS),
-                         name="stoker-objectstore", daemon=True).start()
+        self.stopped = False  # by settle(): no request starts any more
+        self.thread = threading.Thread(target=serve, args=(self.loop.run_forever, self.failed, _LOOP_STOPS),
+                                       name="stoker-objectstore", daemon=True)
+        self.thread.start()
 
     def start(self, coro) -> concurrent.futures.Future:
-        """Run ``coro`` on the loop (its future); the loop's fault (InternalError) once it has one."""
+        """Run ``coro`` on the loop (its future); the loop's fault (InternalError) once it has one, and
+        ShutdownError once :meth:`settle` stopped it (the interpreter exits)."""
         with self._futures_lock:
-            fault = self.fault
+            fault: Exception | None = self.fault
+            if fault is None and self.stopped:
+                fault = ShutdownError("the interpreter is exiting: no remote store can be read any more")
             if fault is None:
                 future = asyncio.run_coroutine_threadsafe(coro, self.loop)
                 self._futures.add(future)
@@ -168,12 +184,46 @@ class _Loop:
             with contextlib.suppress(concurrent.futures.InvalidStateError):  # done meanwhile
                 future.set_exception(fault)
 
+    def settle(self, wait_s: float = EXIT_WAIT_S) -> int:
+        """Stop the loop for good: cancel its requests (their callers get ShutdownError) and wait up to
+        ``wait_s`` for them to end, stop it and wait as long for its thread, then :data:`GRACE_S` with the GIL
+        released. The count cancelled. The exit hook's work; it never raises."""
+        with self._futures_lock:
+            if self.stopped or self.fault is not None:  # settled before, or its thread is gone
+                return 0
+            self.stopped = True
+        count = cancel_pending(self.loop, wait_s)
+        with contextlib.suppress(RuntimeError):  # closed: nothing to stop
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(wait_s)
+        # Not skipped with none pending: a script exits just after its last read, whose tokio thread may still
+        # hold the GIL it took to hand the result over, or wait to take it back to release it.
+        time.sleep(GRACE_S)
+        return count
+
     @classmethod
     def get(cls) -> "_Loop":
+        global _hooked_pid
         with cls._lock:
             if cls._current is None or cls._current.pid != os.getpid():  # a forked child starts its own
                 cls._current = cls()
+                if _hooked_pid != os.getpid():  # a process that never reads a remote store has no hook
+                    atexit.register(_at_exit)
+                    _hooked_pid = os.getpid()
             return cls._current
+
+
+#: the process whose _Loop.get registered _at_exit (a forked child registers its own)
+_hooked_pid: int | None = None
+
+
+def _at_exit() -> None:
+    """The exit hook: the objects with threads of their own (pipelines) are closed first, while their requests
+    can still end as they do on close, then the loop of this process settles (:meth:`_Loop.settle`)."""
+    lifetime.close_all()  # idempotent: a no-op where its own hook ran first
+    current = _Loop._current
+    if current is not None and current.pid == os.getpid():
+        current.settle()
 
 
 class ObjectStore(Store):
@@ -324,7 +374,7 @@ class ObjectStore(Store):
         bound = rounds * (self.retry_timeout_s + self.max_backoff_s + self._per_attempt())
         try:
             future = _Loop.get().start(self._bounded(coro, bound))
-        except InternalError:  # the loop's thread failed (a bug): every request fails at once with it
+        except (InternalError, ShutdownError):  # the loop's thread failed (a bug), or the interpreter exits
             coro.close()
             raise
         future.bound_s = bound + _SLACK_S  # type: ignore[attr-defined]
