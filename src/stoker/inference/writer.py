@@ -737,8 +737,7 @@ class TileWriter:
             return False
         if self.grid is not None or s.pad_axes is None:
             return self._padded_on
-        n = len(self.spatial)
-        return tuple(d in s.pad_axes or d - n in s.pad_axes for d in range(n))
+        return _padded_flags(s.pad_axes, len(self.spatial))  # (a Sample keeps its pad_axes non-negative)
 
     def _owner(self, region: tuple[int, ...]) -> int:
         if self.world_size == 1:
@@ -1097,8 +1096,13 @@ def _crops(crop: Any, ndim: int) -> tuple[int, ...]:
 
 def _padded_on(grid: Any) -> bool | tuple[bool, ...]:
     """Which axes of a padded tile are cropped as padded: every one (True), or those of a grid's pad_axes."""
-    axes = getattr(grid, "pad_axes", None)
-    return True if axes is None else tuple(d in axes for d in range(len(grid.sample_shape)))
+    axes = getattr(grid, "pad_axes", None)  # (no grid: every axis)
+    return True if axes is None else _padded_flags(axes, len(grid.sample_shape))
+
+
+def _padded_flags(axes: Sequence[int] | None, ndim: int) -> bool | tuple[bool, ...]:
+    """``axes`` (non-negative axis numbers, or None: every axis) as the per-axis flags a crop takes."""
+    return True if axes is None else tuple(d in axes for d in range(ndim))
 
 
 def _refuse_holes(grid: TileGrid, tiles: set[Box], crop: tuple[int, ...], shape: tuple[int, ...]) -> None:
