@@ -19,6 +19,9 @@ import asyncio
 #: thread still holds the GIL, or is about to take it back to release it)
 GRACE_S = 0.1
 
+#: the most an exit hook waits for the requests it cancelled to end (and objectstore's, for the loop's thread)
+EXIT_WAIT_S = 2.0
+
 
 async def _cancel_all(wait_s: float) -> int:
     me = asyncio.current_task()

@@ -22,10 +22,7 @@ import threading
 import time
 from typing import Any
 
-from .loopexit import GRACE_S, cancel_pending
-
-#: the most the exit hook waits for zarr-python's cancelled requests to end (then GRACE_S, runtime/loopexit.py)
-EXIT_WAIT_S = 2.0
+from .loopexit import EXIT_WAIT_S, GRACE_S, cancel_pending
 
 _lock = threading.Lock()  # a leaf: held only to register once
 _hooked = False

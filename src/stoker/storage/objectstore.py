@@ -55,7 +55,7 @@ from .. import checks
 from ..errors import InternalError, InvalidArgument, NotFound, ShutdownError, StorageError, UnsupportedFormat, as_value
 from ..runtime import lifetime
 from ..runtime.faults import serve
-from ..runtime.loopexit import GRACE_S, cancel_pending
+from ..runtime.loopexit import EXIT_WAIT_S, GRACE_S, cancel_pending
 from .ranges import coalesce
 from .store import (ByteRange, Store, by_key, check_key, check_prefix, gone_or_shorter, missing_bucket, not_found,
                     short_read)
@@ -126,10 +126,6 @@ def _check_not_forked(uri: str) -> None:
 
 #: what follows the event loop thread's fault (see _Loop.failed)
 _LOOP_STOPS = "No remote store can be read in this process any more: start another process"
-
-
-#: the most the exit hook waits for the requests it cancelled to end, and again for the loop's thread to stop
-EXIT_WAIT_S = 2.0
 
 
 class _Loop:
